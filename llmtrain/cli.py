@@ -596,13 +596,29 @@ def run(args: list[str] | None = None) -> int | str | None:
 
 def main() -> None:
     """The `llmtrain` command. A process of a multi-process launch (torchrun's WORLD_SIZE > 1) whose command succeeded
-    leaves with `exit_now`, skipping the interpreter's teardown. Every other exit is the usual one: a process that
-    fails or stops must not leave sooner than before, since the launcher ends the others when the first one exits and
-    the process that prints the reason for all of them (cli.prints_error_here) may not have printed it yet."""
+    or stopped on request leaves with `exit_now`, skipping the interpreter's teardown (where a stopped process's gloo
+    thread had aborted it: "terminate called without an active exception"). A failed one exits the usual way: it
+    must not leave sooner than before, since the launcher ends the others when the first one exits and the process
+    that prints the reason for all of them (cli.prints_error_here) may not have printed it yet."""
     code = run()
-    if not code and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and (not code or code in STOP_CODES):  # a stop: said, or saved
         exit_now(code)
+    teardown_ends_on_a_signal(code)
     sys.exit(code)
+
+
+STOP_CODES = (130, 143)  # 128 + SIGINT, 128 + SIGTERM: a stop on request, at once or after its checkpoint
+
+
+def teardown_ends_on_a_signal(code: int | str | None) -> None:
+    """Once the command has returned, SIGTERM or Ctrl-C ends the process at once with the command's own exit status:
+    what the command wrote is complete, and the interpreter's teardown is all that is left. (A launcher's SIGTERM
+    during it, torchrun's answer to a second Ctrl-C, had raised the stop handler's exception in an atexit callback:
+    "Exception ignored in atexit callback" and a traceback after the run's last line; audit 54.)"""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: exit_now(code))
 
 
 def exit_now(code: int | str | None) -> None:

@@ -388,3 +388,22 @@ def test_a_signal_during_a_save_or_an_eval_stops_at_that_step(tiny_assets, tmp_p
     summary = run_train(recipe, resume="auto")
     assert summary["final_loss"] == full["final_loss"]
     assert max_abs_diff(load_weights(run / "final"), load_weights(tmp_path / "full" / "final")) == 0.0
+
+
+def test_a_signal_during_the_teardown_ends_the_process_with_the_commands_status():
+    """Audit 54: a second Ctrl-C under `llmtrain launch` reaches the processes as torchrun's SIGTERM, often once the
+    command has returned: the stop handler raised in an atexit callback ("Exception ignored in atexit callback" and a
+    traceback after the run's last line). Once the command has returned, a signal ends the process at once with the
+    command's own status."""
+    script = ("import atexit, os, signal, sys, time\n"
+              "from llmtrain.cli import main\n"
+              "from llmtrain.loop.signals import stop_at_once_on_sigterm\n"
+              "stop_at_once_on_sigterm()  # as finetune has it until its loop starts\n"
+              "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(2)))\n"
+              "sys.argv = ['llmtrain', '--version']\n"
+              "main()\n")
+    proc = subprocess.run([sys.executable, "-c", script], env=ENV, cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
+    assert proc.stdout.startswith("llmtrain ")
