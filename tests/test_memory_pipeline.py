@@ -788,3 +788,15 @@ def test_an_estimate_from_flags_refuses_stages_the_table_refuses():
     assert estimate_memory(*run).returncode == 0
     assert estimate_memory(*run, "--mixed-precision", "fp16").returncode == 0
     assert estimate_memory(*run, "--mixed-precision", "fp16", "--strategy", "fsdp").returncode == 0
+
+
+def test_online_rl_on_stages_asks_for_its_token_budget_in_words_that_work(tiny_assets):
+    """Audit 56: the refusal (and docs/scaling.md) said to pass --rl-micro-batch-tokens, an option estimate-memory
+    does not have ("No such option"); it names the recipe key, and the override it names estimates the run."""
+    args = ("recipes/tiny-grpo.yaml", f"model.name_or_path={tiny_assets / 'model'}", "train.grad_accum_steps=2",
+            "--strategy", "ddp", "--num-gpus", "2", "--pipeline-parallel", "2")
+    refused = estimate_memory(*args, check=False)
+    said = " ".join((refused.stdout + refused.stderr).split())
+    assert refused.returncode == 2 and "rl.micro_batch_tokens=4096" in said and "--rl-micro" not in said, said
+    est = json.loads(estimate_memory(*args, "rl.micro_batch_tokens=4096", "--json").stdout)
+    assert len(est["pipeline"]["stages"]) == 2

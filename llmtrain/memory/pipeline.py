@@ -91,7 +91,7 @@ def pipeline_problems(spec: TrainSpec, shape: ModelShape) -> list[str]:
                         "--pipeline-parallel 1")
     if spec.num_generations and spec.teacher is None and not spec.rl_micro_batch_tokens:
         problems.append("online RL on pipeline stages trains its passes in rows of rl.micro_batch_tokens slots: set it "
-                        "(--rl-micro-batch-tokens)")
+                        "in the recipe, or as an override after it (rl.micro_batch_tokens=4096)")
     if spec.quantize and spec.sharded:
         problems.append("a QLoRA stage under FSDP (which llmtrain trains) is not modelled: estimate it with "
                         "--strategy ddp (each stage's replicas holding its whole 4-bit base), or single with one GPU a "
