@@ -268,8 +268,8 @@ def test_on_pipeline_stages_the_last_stage_alone_holds_the_fp32_head(method):
         assert a.optimizer - b.optimizer == 2 * 2 * head
 
 
-
 @pytest.mark.slow
+@pytest.mark.extended  # main tier: the head gathered in fp32 under FSDP (above) and FSDP x TP's training (test_tp.py)
 def test_under_fsdp_x_tp_the_head_is_gathered_in_fp32_and_trains(tiny_assets, tmp_path, free_port):
     """FSDP x TP 2 x 2 (refused before 2026-12-05): tensor parallelism leaves the head whole on each rank of a pair and
     FSDP shards it over the pairs, so it is FSDP's unit of its own as under plain FSDP (fsdp.head_in_fp32). The bf16

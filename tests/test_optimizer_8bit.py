@@ -360,6 +360,8 @@ def _uneven_model(tiny_assets, folder):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # main tier: test_pipeline's 8-bit AdamW on FSDP-sharded stages (the moments on FSDP's shards,
+# trained as one process and resumed on them: the same optimizer path, 78 s of CI's 30 minutes)
 def test_two_fsdp_processes_train_what_one_process_trains_and_resume_on_their_shards(tiny_assets, tmp_path,
                                                                                         free_port):
     """The 8-bit AdamW under FSDP (each process updates its shard with bitsandbytes' kernel; the moments and their

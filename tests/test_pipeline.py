@@ -817,8 +817,10 @@ def _same_rl(run: Path, one: Path, *, keys: tuple[str, ...], weights: str, tol: 
 @pytest.mark.slow
 @pytest.mark.parametrize("lora, rl", [(True, {"beta": 0.04, "loss_type": "grpo"}),
                                       (True, {"algorithm": "rloo", "beta": 0.05, "loss_type": None}),
-                                      (True, {"algorithm": "rloo", "beta": 0.05, "loss_type": None,
-                                              "sync_reference": {"every_steps": 2, "alpha": 1.0}}),
+                                      # (main tier: a moving reference on stages, test_a_moving_reference_...)
+                                      pytest.param(True, {"algorithm": "rloo", "beta": 0.05, "loss_type": None,
+                                                          "sync_reference": {"every_steps": 2, "alpha": 1.0}},
+                                                   marks=pytest.mark.extended),
                                       pytest.param(False, {"importance_sampling_level": "sequence"},
                                                    marks=pytest.mark.extended),
                                       (False, {"algorithm": "rloo", "beta": 0.05, "loss_type": None}),
