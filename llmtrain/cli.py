@@ -251,9 +251,11 @@ def finetune(
     stop_with_the_launcher()  # a launcher killed by SIGKILL leaves no process training on without it
     recipe, resume = where_it_started(recipe, resume)
     checked = load_recipe(recipe, overrides)  # a missing file or a bad key is said before torch is imported
-    from llmtrain.run.rundir import recipe_inside
+    from llmtrain.run.rundir import another_runs_recipe, recipe_inside
 
-    if problem := recipe_inside(Path(checked.output_dir), recipe, resume=resume, overwrite=overwrite):
+    out = Path(checked.output_dir)
+    if problem := (another_runs_recipe(out, recipe, overrides)
+                   or recipe_inside(out, recipe, resume=resume, overwrite=overwrite)):
         raise LLMTrainError(problem)
     ask_hub_first(checked)
     from llmtrain.loop.train import train
@@ -551,7 +553,7 @@ def doctor(
     recipe, _ = where_it_started(recipe)
     loaded = load_recipe(recipe, overrides)
     code = run(loaded, accelerate_config=accelerate_config or launch_from_header(recipe), gpu_memory=gpu_memory,
-               show_recipe=show_recipe, recipe_file=recipe)
+               show_recipe=show_recipe, recipe_file=recipe, overrides=overrides)
     raise typer.Exit(code)
 
 

@@ -522,15 +522,18 @@ def check_tools(recipe: Recipe, tokenizer) -> list[Check]:
              f"{tools.syntax.opener or 'a JSON turn'} {{{tools.syntax.name_key!r}, {tools.syntax.arguments_key!r}}}")]
 
 
-def check_output(recipe: Recipe, recipe_file: Path | None = None) -> list[Check]:
+def check_output(recipe: Recipe, recipe_file: Path | None = None, overrides: list[str] | None = None) -> list[Check]:
     """output_dir as finetune and `llmtrain launch` check it before writing (rundir.check_output_folder: a file, not
     a run, another run's folder in use or finished; doctor had no row, and passed a file; audit 34): a fail where no
     flag lets the run start (a file, a folder on the way that is a file or read-only, the recipe file or an input
     that starting again there deletes: audit 53), else a warn, since --overwrite or --resume decide the rest and
     doctor has neither; the warn says which of them would be accepted."""
-    from llmtrain.run.rundir import check_output_folder, finished_run_without_checkpoints, inputs_inside, recipe_inside
+    from llmtrain.run.rundir import (another_runs_recipe, check_output_folder, finished_run_without_checkpoints,
+                                     inputs_inside, recipe_inside)
 
     out = Path(recipe.output_dir)
+    if recipe_file is not None and (problem := another_runs_recipe(out, recipe_file, overrides)):
+        return [("output_dir", "fail", problem)]
 
     def deleted(*, overwrite: bool) -> str | None:  # an input the start (or --overwrite) would delete first
         return inputs_inside(out, recipe.model_dump(mode="json"), resume=None, overwrite=overwrite) or (
@@ -591,7 +594,7 @@ def check_teacher(recipe: Recipe, tokenizer) -> list[Check]:
 
 
 def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None, gpu_memory: float | None = None,
-               recipe_file: Path | None = None) -> list[Check]:
+               recipe_file: Path | None = None, overrides: list[str] | None = None) -> list[Check]:
     hub = check_hub(recipe)  # first: before huggingface_hub, transformers and datasets read HF_HUB_OFFLINE
     import datasets
 
@@ -623,7 +626,7 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None, gpu_mem
         checks += check_tools(recipe, tokenizer) + check_teacher(recipe, tokenizer)
     checks += check_context(recipe.data.max_seq_len, _max_positions(recipe.model))
     checks += check_weights(recipe) + check_family(recipe) + check_needs(recipe, launch)
-    checks += check_output(recipe, recipe_file)
+    checks += check_output(recipe, recipe_file, overrides)
     gpu = gpu_memory if gpu_memory is not None else gpu_memory_here()
     lengths = None
     if recipe.rl is not None and tokenizer is not None:  # the estimate at the prompts' real lengths
@@ -657,7 +660,7 @@ def said_once(checks: list[Check]) -> list[Check]:
 
 
 def doctor(recipe: Recipe, *, accelerate_config: Path | None = None, gpu_memory: float | None = None,
-           show_recipe: bool = False, recipe_file: Path | None = None) -> int:
+           show_recipe: bool = False, recipe_file: Path | None = None, overrides: list[str] | None = None) -> int:
     """Print the checks (and, with show_recipe, the resolved recipe first); 1 when a check fails, else 0."""
     from rich.console import Console
     from rich.markup import escape
@@ -666,7 +669,8 @@ def doctor(recipe: Recipe, *, accelerate_config: Path | None = None, gpu_memory:
     console = Console(highlight=False)
     if show_recipe:
         console.print(escape(recipe.to_yaml()))
-    checks = run_doctor(recipe, accelerate_config=accelerate_config, gpu_memory=gpu_memory, recipe_file=recipe_file)
+    checks = run_doctor(recipe, accelerate_config=accelerate_config, gpu_memory=gpu_memory, recipe_file=recipe_file,
+                        overrides=overrides)
     table = Table(title="llmtrain doctor")
     for col in ("check", "status", "detail"):
         table.add_column(col)

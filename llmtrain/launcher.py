@@ -136,7 +136,8 @@ def accelerate_command(argv: list[str], *, machine: bool = True) -> list[str]:
     from llmtrain.model.modeling import lora_problem
     from llmtrain.parallel.launch import accelerate_problem, gpus_problem, launch_problem, launch_settings
     from llmtrain.run.checkpoint import resolve_resume
-    from llmtrain.run.rundir import check_output_folder, foreign_checkpoint, inputs_inside, recipe_inside
+    from llmtrain.run.rundir import (another_runs_recipe, check_output_folder, foreign_checkpoint, inputs_inside,
+                                     recipe_inside)
 
     usage = ("llmtrain launch takes accelerate launch's flags, then a recipe and its overrides, e.g. `llmtrain launch "
              "--config_file accelerate_configs/fsdp.yaml recipes/llama7b.yaml train.max_steps=100` (no -m: it runs "
@@ -176,7 +177,8 @@ def accelerate_command(argv: list[str], *, machine: bool = True) -> list[str]:
     resuming = any(o == "--resume" or o.startswith("--resume=") for o in options)
     resume, overwrite, out = (_resume_path(options) or "auto") if resuming else None, "--overwrite" in options, \
         Path(recipe.output_dir)
-    if problem := (inputs_inside(out, recipe.model_dump(mode="json"), resume=resume, overwrite=overwrite)
+    if problem := (another_runs_recipe(out, Path(recipe_path), overrides)
+                   or inputs_inside(out, recipe.model_dump(mode="json"), resume=resume, overwrite=overwrite)
                    or recipe_inside(out, Path(recipe_path), resume=resume, overwrite=overwrite)):
         raise LLMTrainError(problem)
     # a folder the run may not write into, or one another run holds (the processes would each say it)

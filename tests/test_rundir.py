@@ -383,3 +383,33 @@ def test_a_runs_recipe_yaml_that_no_longer_validates_is_one_paragraph(tiny_asset
     proc = invoke("generate", str(run), "reverse abc =", check=False)
     said = proc.stdout + proc.stderr
     assert proc.returncode == 2 and "Traceback" not in said and "train.lr" in said, said
+
+
+def test_a_copied_run_folders_recipe_is_refused_where_it_names_the_run_it_was_copied_from(tiny_assets, tmp_path):
+    """Audit 55: `finetune runs/COPY/recipe.yaml --resume auto` (a run folder copied to keep it, or to branch from it)
+    read output_dir from the file: the original's, which it resumed and finished (final/ and summary.json written
+    there), the copy untouched. Refused before anything is written, saying how to continue either; with output_dir
+    given it continues the copy. `llmtrain launch` refuses it alike before any process starts."""
+    import shutil
+
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 2}, checkpoint={"every_steps": 2},
+                          output_dir=str(tmp_path / "orig"))
+    invoke("finetune", str(recipe))
+    shutil.rmtree(tmp_path / "orig" / "final")
+    (tmp_path / "orig" / "summary.json").unlink()  # a run stopped at its checkpoint, copied
+    shutil.copytree(tmp_path / "orig", tmp_path / "copy")
+    before = {p: p.stat().st_mtime_ns for p in (tmp_path / "orig").rglob("*")}
+    copied = str(tmp_path / "copy" / "recipe.yaml")
+    for command in (["finetune", copied, "--resume", "auto"],
+                    ["finetune", copied, "--overwrite"],
+                    ["launch", "--config_file", str(CPU_DDP), copied, "--resume", "auto"]):
+        proc = invoke(*command, check=False)
+        said = " ".join(proc.stderr.split())
+        assert proc.returncode == 2 and f"is the saved recipe of the run folder {tmp_path / 'copy'}" in said, said
+        assert f"add output_dir={tmp_path / 'copy'} after the recipe" in said
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "orig").rglob("*")} == before
+    doctor = invoke("doctor", copied, check=False)  # doctor says what finetune would
+    assert doctor.returncode == 1 and "is the saved recipe of the run folder" in " ".join(doctor.stdout.split())
+    done = invoke("finetune", copied, f"output_dir={tmp_path / 'copy'}", "--resume", "auto")
+    assert "resumed from" in done.stdout + done.stderr and (tmp_path / "copy" / "final").is_dir()
+    assert not (tmp_path / "orig" / "final").exists()

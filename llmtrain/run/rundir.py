@@ -148,6 +148,26 @@ def foreign_checkpoint(checkpoint: Path, out: Path, resume: str) -> str | None:
             f"(output_dir={run}), or branch a new run from it in an empty folder (output_dir={run}-2).")
 
 
+def another_runs_recipe(out: Path, recipe_file: Path, overrides: list[str] | None) -> str | None:
+    """Why `recipe_file` may not run into `out` (None: it may): it is the saved recipe of a run folder (its recipe.yaml,
+    or a checkpoint's) whose output_dir, read from the file, names another folder: a copied run folder's recipe, which
+    had resumed the run it was copied from, writing final/ there (or with --overwrite deleted it; audit 55). An
+    output_dir given as an override is a new run's choice: taken."""
+    if any(o.split("=", 1)[0].strip() == "output_dir" for o in overrides or []):
+        return None
+    file = Path(recipe_file).resolve()
+    if file.name != "recipe.yaml":
+        return None
+    folders = [file.parent] + ([file.parent.parent.parent] if file.parent.parent.name == "checkpoints" else [])
+    run = next((f for f in folders if _is_run(f) or has_checkpoints(f)), None)
+    if run is None or run == out.resolve():
+        return None
+    return (f"{recipe_file} is the saved recipe of the run folder {run}, and its output_dir names another folder, "
+            f"{out}: a copied run's recipe would continue (or with --overwrite delete) the run it was copied from. "
+            f"To continue the run in {run}, add output_dir={run} after the recipe; to continue the one in {out}, "
+            f"give {out / 'recipe.yaml'}.")
+
+
 def recipe_inside(out: Path, recipe_file: Path, *, resume: str | None, overwrite: bool) -> str | None:
     """inputs_inside for the recipe file itself: `finetune runs/x/my.yaml --overwrite` had deleted the file it was
     given (audit 46). The run's own recipe.yaml is written again, resolved, as the run starts: it may be given."""
