@@ -278,6 +278,26 @@ def test_a_resume_to_an_older_step_removes_the_later_checkpoints_at_its_first_sa
                       .split()[0]) == 4  # the new run's
 
 
+def test_a_resume_to_an_older_step_that_ends_without_a_checkpoint_removes_the_later_ones_at_its_end(tiny_assets,
+                                                                                                   tmp_path):
+    """Audit 55: a resume from an older step that reached its end before a checkpoint was due (final/ written, none
+    at a step of its own) left the abandoned run's later checkpoints: the next --resume auto (more steps) continued
+    that run, not this one, its lines joined to this one's in metrics.jsonl. They go at the end too, so --resume
+    auto continues from the newest checkpoint this run can stand on."""
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 6}, checkpoint={"every_steps": 2, "keep_last": 5})
+    run = tmp_path / "run"
+    run_train(recipe)
+    run_train(recipe, "train.lr=5e-4", "checkpoint.every_steps=100", resume=str(run / "checkpoints" / "step_000002"),
+              allow_recipe_change=True)
+    assert _step_dirs(run) == ["step_000002"]
+    assert [r["step"] for r in records(run)] == [1, 2, 3, 4, 5, 6]  # one run's lines: the branch's 3 to 6
+    branch = [r["loss"] for r in records(run)]
+    run_train(recipe, "train.lr=5e-4", "checkpoint.every_steps=100", "train.max_steps=8", resume="auto",
+              allow_recipe_change=True)
+    assert [r["loss"] for r in records(run)][:2] == branch[:2] and [r["step"] for r in records(run)] == \
+        list(range(1, 9))
+
+
 def test_resume_auto_without_checkpoint_starts_from_zero(tiny_assets, tmp_path):
     """--resume auto on an empty output_dir (a job's first start under a requeue script) just trains."""
     recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 2})

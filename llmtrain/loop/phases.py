@@ -698,7 +698,7 @@ def restore(recipe: Recipe, accelerator, trainable: Trainable, *, checkpoint: Pa
     if later := later_than(checkpoint.parent, state.step):  # on the main process's disk; the same on each node's
         say(f"note: {', '.join(p.name for p in later)} {'are' if len(later) > 1 else 'is'} of the run this resume "
             f"goes back on (or damaged), and {'are' if len(later) > 1 else 'is'} removed at this run's first "
-            "checkpoint, so that --resume auto continues this run")
+            "checkpoint (or at its end), so that --resume auto continues this run")
     if state.processes != world:
         # Each rank restores its own RNG file; with more ranks than saved, the new ones start from the seed.
         say(f"note: written by {state.processes} data-parallel ranks, resumed on {world} (a tensor-parallel group "

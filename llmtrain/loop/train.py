@@ -55,7 +55,7 @@ from llmtrain.parallel.groups import groups
 from llmtrain.parallel.sequence.shards import SequenceShards
 from llmtrain.parallel.mesh import data_ranks
 from llmtrain.parallel.pipeline.checkpoint import gather_state_dict, write_stage
-from llmtrain.run.checkpoint import save_checkpoint
+from llmtrain.run.checkpoint import discard_later, save_checkpoint
 from llmtrain.run.console import RunConsole, step_text, summary_table
 from llmtrain.run.export import save_final
 from llmtrain.run.metrics import MetricsLog, flop_model, logged, strict_json
@@ -138,7 +138,8 @@ def _train(recipe: Recipe, accelerator, console: RunConsole, cleanup: ExitStack,
         cleanup.callback(log.close)
         run = Run(recipe=recipe, accelerator=accelerator, console=console, log=log, data=data, model=trainable,
                   objective=objective, rounds=rounds, reference=reference,
-                  cadence=Cadence.from_recipe(recipe, total_steps=data.total_steps, has_eval=data.eval is not None))
+                  cadence=Cadence.from_recipe(recipe, total_steps=data.total_steps, has_eval=data.eval is not None),
+                  resumed_at=state.step)
         # ---- the loop, then the export and the summary
         # The run's clock: what earlier processes of the run spent, and this one's reference pass (preference)
         meter = Meter(accelerator, flops=trainable.flops, peak=trainable.peak_flops,
@@ -188,6 +189,7 @@ class Run:
     rounds: Rounds
     reference: Reference | None  # a full fine-tune's frozen reference, and its sync (TR-DPO)
     cadence: Cadence
+    resumed_at: int  # the step this process started from (0, or its checkpoint's)
 
     @property
     def out(self) -> Path:
@@ -444,6 +446,9 @@ def finish(run: Run, state: TrainState, meter: Meter, est, *, end: bool = True) 
                                           if r.get("loss") is not None), None)
         (out / "summary.json").write_text(json.dumps(strict_json(summary), indent=1, allow_nan=False))
         run.log.checkpointed()  # the run is complete: what a resume set aside is of no checkpoint now
+        # nor are the checkpoints of the run a resume from an older step went back on: those its own first checkpoint
+        # had not replaced (it saved none, or they lie before it; audit 55)
+        discard_later(out / "checkpoints", run.resumed_at, keep=lambda step: run.cadence.at(step).save)
         final_dir = str(out / "final") if run.recipe.checkpoint.save_final else None
         say(summary_table({**summary, "final": final_dir}, out=out, evals=evals, unit=run.console.unit,
                           logged_every=run.recipe.logging.every_steps, online_rl=run.recipe.rl is not None))

@@ -330,11 +330,20 @@ def _publish(tmp: Path, final: Path, *, state: TrainState, recipe_yaml: str, kee
         _discard(final)
     tmp.rename(final)
     _fsync(final.parent)  # the rename itself is on the disk
-    for later in later_than(final.parent, state.step):  # a run's steps only rise: these are of the run a resume
-        _discard(later)  # from an older step left (--resume PATH), which --resume auto would have gone back to
+    discard_later(final.parent, state.step)
     for old in step_dirs(final.parent)[:-keep_last]:
         if old != final:
             _discard(old)
+
+
+def discard_later(root: Path, step: int, keep=lambda step: False) -> None:
+    """Delete the checkpoints under `root` past `step` (but those `keep(step)` says this run wrote): a run's steps only
+    rise, so they are of the run a resume from an older step left (--resume PATH), which --resume auto would go back
+    to. At this run's first checkpoint, and at its end (where it wrote none, the next --resume auto had continued
+    the run it went back on; audit 55)."""
+    for later in later_than(root, step):
+        if not keep(int(later.name[5:])):
+            _discard(later)
 
 
 def later_than(root: Path, step: int) -> list[Path]:
