@@ -298,6 +298,23 @@ def test_a_resume_to_an_older_step_that_ends_without_a_checkpoint_removes_the_la
         list(range(1, 9))
 
 
+def test_a_finished_run_given_a_change_that_trains_nothing_is_complete(tiny_assets, tmp_path, capsys):
+    """Audit 55: `--resume auto` on a finished run whose recipe differs in a logging, checkpoint or eval setting had
+    trained its steps since the last checkpoint again and written final/ and summary.json over the run's (or, where
+    the last step had a checkpoint, said "nothing is left to train"). It is complete, and nothing changes."""
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 5}, checkpoint={"every_steps": 2})
+    run = tmp_path / "run"
+    run_train(recipe)
+    before = _snapshot(run)
+    capsys.readouterr()
+    for change in ("logging.every_steps=5", "checkpoint.every_steps=5", "checkpoint.keep_last=1"):
+        run_train(recipe, change, resume="auto")
+        assert "is already complete (5 steps, final/ written); nothing was changed" in capsys.readouterr().out
+    assert _snapshot(run) == before
+    with pytest.raises(LLMTrainError, match="is complete, and this recipe changes train.max_steps 5 -> 7"):
+        run_train(recipe, "train.max_steps=7", resume="auto")  # more steps: still asked for with the flag
+
+
 def test_resume_auto_without_checkpoint_starts_from_zero(tiny_assets, tmp_path):
     """--resume auto on an empty output_dir (a job's first start under a requeue script) just trains."""
     recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 2})

@@ -38,6 +38,9 @@ OBJECTIVE = ["lora", *SECTIONS, "train.eps", "train.neftune_alpha", "train.sft_l
              "train.disable_dropout",
              "train.mixed_precision", "model.quantize", "model.rope_scaling",
              "model.router_aux_loss_coef"]
+# What fixes a finished run's weights: a finished run whose recipe differs in none of these is complete as it is
+# (logging, checkpoint, eval and layout settings change nothing of what it trained).
+TRAINED = [*IDENTITY, *SCHEDULE, *OBJECTIVE, "train.micro_batch_size", "train.grad_accum_steps"]
 
 
 def _get(d: dict, dotted: str):
@@ -218,7 +221,7 @@ def _state(ckpt: Path) -> dict:
 
 
 def finished_run(out: Path, recipe: Recipe, *, allow_recipe_change: bool) -> dict | None:
-    """The summary of a run in `out` that already completed with exactly this recipe, else None.
+    """The summary of a run in `out` that already completed with this recipe's training (TRAINED), else None.
 
     A complete run is left exactly as it is. One whose recipe now asks for more steps (or another schedule)
     continues only with --allow-recipe-change, from its newest checkpoint; any other difference is for
@@ -232,7 +235,9 @@ def finished_run(out: Path, recipe: Recipe, *, allow_recipe_change: bool) -> dic
     # output_dir is `out` in both, however written (runs/x then /abs/runs/x: the finished run had been taken for
     # an interrupted one, and its refusal said so)
     now = {**recipe.model_dump(mode="json"), "output_dir": saved.get("output_dir")}
-    if saved == now:
+    if all(_get(saved, k) == _get(now, k) for k in TRAINED):  # the same weights: logging, checkpoints, eval and
+        # layout change nothing of a finished run (any change had trained its last steps again and written final/
+        # over it; audit 55)
         return json.loads(summary_path.read_text())
     changed = [k for k in SCHEDULE if _get(saved, k) != _get(now, k)]
     def without_changed(recipe: dict) -> dict:
