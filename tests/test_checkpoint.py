@@ -315,6 +315,32 @@ def test_a_finished_run_given_a_change_that_trains_nothing_is_complete(tiny_asse
         run_train(recipe, "train.max_steps=7", resume="auto")  # more steps: still asked for with the flag
 
 
+def test_a_resume_names_a_layout_that_takes_it_and_reads_a_path_however_written(tiny_assets, tmp_path):
+    """Audit 55: a checkpoint of 16 examples a micro-batch resumed on 3 processes was told to set micro_batch_size=16
+    (48: refused again, with the same advice); the data-parallel ranks that can take it are named. And the model's
+    or the data's path written otherwise (a trailing slash, ./) had been refused as "another model or other data"."""
+    from llmtrain.config import load_recipe
+    from llmtrain.run.preflight import check_resume
+
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 2, "micro_batch_size": 16},
+                          checkpoint={"every_steps": 2})
+    run_train(recipe)
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000002"
+    with pytest.raises(LLMTrainError) as refused:
+        check_resume(ckpt, load_recipe(recipe, ["train.micro_batch_size=8"]), world=3, fsdp=False,
+                     allow_recipe_change=False)
+    assert "16 examples do not split over 3 data-parallel ranks: resume it on 1 or 2 or 4 or 8 or 16" in \
+        str(refused.value)
+    with pytest.raises(LLMTrainError, match=r"Set train.micro_batch_size=8 \(so that the product is 16\)"):
+        check_resume(ckpt, load_recipe(recipe), world=2, fsdp=False, allow_recipe_change=False)
+    model, data = tiny_assets / "model", tiny_assets / "data"
+    spelled = [f"model.name_or_path={model}/", f"data.path={data}/../data/train.jsonl"]
+    assert check_resume(ckpt, load_recipe(recipe, spelled), world=1, fsdp=False, allow_recipe_change=False) == []
+    with pytest.raises(LLMTrainError, match="That is another model or other data"):
+        check_resume(ckpt, load_recipe(recipe, [f"data.path={data / 'eval.jsonl'}"]), world=1, fsdp=False,
+                     allow_recipe_change=False)
+
+
 def test_resume_auto_without_checkpoint_starts_from_zero(tiny_assets, tmp_path):
     """--resume auto on an empty output_dir (a job's first start under a requeue script) just trains."""
     recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 2})

@@ -701,7 +701,8 @@ def restore(recipe: Recipe, accelerator, trainable: Trainable, *, checkpoint: Pa
             "checkpoint (or at its end), so that --resume auto continues this run")
     if state.processes != world:
         # Each rank restores its own RNG file; with more ranks than saved, the new ones start from the seed.
-        say(f"note: written by {state.processes} data-parallel ranks, resumed on {world} (a tensor-parallel group "
+        say(f"note: written by {state.processes} data-parallel rank{'s' * (state.processes != 1)}, resumed on {world} "
+            "(a tensor-parallel group "
             "is one rank): the same examples per step, but per-rank random streams (dropout) do not replay the "
             "original run's.")
         state.processes = world

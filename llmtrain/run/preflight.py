@@ -43,6 +43,19 @@ OBJECTIVE = ["lora", *SECTIONS, "train.eps", "train.neftune_alpha", "train.sft_l
 TRAINED = [*IDENTITY, *SCHEDULE, *OBJECTIVE, "train.micro_batch_size", "train.grad_accum_steps"]
 
 
+PATHS = ("model.name_or_path", "model.tokenizer", "data.path")  # a local file or folder, however written
+
+
+def _same(key: str, was, now) -> bool:
+    """A recipe value unchanged: a path named otherwise (a trailing slash, ./, ..) is the same file where it exists
+    (it had been refused as "another model or other data"; audit 55)."""
+    if was == now:
+        return True
+    if key in PATHS and isinstance(was, str) and isinstance(now, str) and Path(was).exists() and Path(now).exists():
+        return Path(was).resolve() == Path(now).resolve()
+    return False
+
+
 def _get(d: dict, dotted: str):
     for part in dotted.split("."):
         d = (d or {}).get(part)
@@ -111,7 +124,7 @@ def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_re
                             f"{trains[1]}: that is another run. To go on from its weights, set model.name_or_path to "
                             f"its final/ in a recipe with another output_dir. {how}")
     for key in IDENTITY:
-        if _get(saved, key) != _get(now, key):
+        if not _same(key, _get(saved, key), _get(now, key)):
             raise LLMTrainError(f"checkpoint {ckpt} was written with {key}={_get(saved, key)!r}; this recipe has "
                                 f"{_get(now, key)!r}. That is another model or other data, not the same run. {how}")
     if (was := _get(saved, "data.eval_split")) != (eval_split := _get(now, "data.eval_split")) and any(
@@ -125,7 +138,8 @@ def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_re
         raise LLMTrainError(
             f"checkpoint {ckpt} was written {'under' if sharded else 'without'} FSDP and this launch "
             f"{'does not use' if sharded else 'uses'} it. Resume it under the launch that wrote it: "
-            f"{resume_launch(ckpt)}{' (a tensor-parallel run: its own config)' if sharded else ''}.")
+            f"{resume_launch(ckpt)}"
+            f"{' (with the launch config it was written under: a tensor-parallel one too)' if sharded else ''}.")
     staged, stages_now = (ckpt / "pipeline").is_dir(), now.get("parallel", {}).get("pipeline_parallel", 1)
     if staged != (stages_now > 1):  # another pipeline degree (or schedule) is fine: the stages' files are by name
         raise LLMTrainError(
@@ -138,10 +152,14 @@ def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_re
         mb = now["train"]["micro_batch_size"]
         if state.get("examples_per_micro") != mb * world:
             want = state.get("examples_per_micro")
+            fix = (f"Set train.micro_batch_size={want // world} (so that the product is {want}) to resume it"
+                   if want and want % world == 0 else
+                   f"{want} examples do not split over {world} data-parallel ranks: resume it on "
+                   f"{' or '.join(str(n) for n in range(1, (want or 1) + 1) if want % n == 0)} (with "
+                   f"train.micro_batch_size {want} / ranks)")
             raise LLMTrainError(
                 f"the checkpoint was written with micro_batch_size x processes = {want}, this run has {mb} x "
-                f"{world} = {mb * world}. Set train.micro_batch_size so that the product is {want} (e.g. "
-                f"train.micro_batch_size={want // world if want and want % world == 0 else want} here) to resume it.")
+                f"{world} = {mb * world}. {fix}.")
     changed = [(k, _get(saved, k), _get(now, k)) for k in SCHEDULE if _get(saved, k) != _get(now, k)]
     changed += [c for key in OBJECTIVE for c in _leaves(saved, now, key) if c[0] not in SCHEDULE]
     # A step is grad_accum_steps global micro-batches; by tokens, a global micro-batch is one bin per process.
@@ -235,7 +253,7 @@ def finished_run(out: Path, recipe: Recipe, *, allow_recipe_change: bool) -> dic
     # output_dir is `out` in both, however written (runs/x then /abs/runs/x: the finished run had been taken for
     # an interrupted one, and its refusal said so)
     now = {**recipe.model_dump(mode="json"), "output_dir": saved.get("output_dir")}
-    if all(_get(saved, k) == _get(now, k) for k in TRAINED):  # the same weights: logging, checkpoints, eval and
+    if all(_same(k, _get(saved, k), _get(now, k)) for k in TRAINED):  # the same weights: logging, checkpoints, eval and
         # layout change nothing of a finished run (any change had trained its last steps again and written final/
         # over it; audit 55)
         return json.loads(summary_path.read_text())
