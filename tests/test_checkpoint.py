@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import yaml
-from helpers import load_weights, losses, max_abs_diff, records, run_train, write_recipe
+from helpers import crash_at_step, load_weights, losses, max_abs_diff, records, run_train, write_recipe
 
 from llmtrain.config import load_recipe
 from llmtrain.errors import LLMTrainError
@@ -339,6 +339,45 @@ def test_a_resume_names_a_layout_that_takes_it_and_reads_a_path_however_written(
     with pytest.raises(LLMTrainError, match="That is another model or other data"):
         check_resume(ckpt, load_recipe(recipe, [f"data.path={data / 'eval.jsonl'}"]), world=1, fsdp=False,
                      allow_recipe_change=False)
+
+
+def test_a_model_or_data_file_replaced_under_its_path_is_refused_at_resume(tiny_assets, tmp_path, capsys,
+                                                                         monkeypatch):
+    """Audit 55: the base model's weights or the training file replaced under the same path (a base retrained with
+    --overwrite, an edited dataset) were resumed on silently: a LoRA adapter on another base, other rows at the
+    checkpoint's place in the epoch. Each checkpoint records its input files (name, size, modification time); a
+    change is refused naming the file, or taken with --allow-recipe-change and said."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tiny_assets / "model", tmp_path / "base")
+    (tmp_path / "data").mkdir()
+    shutil.copy(tiny_assets / "data" / "train.jsonl", tmp_path / "data" / "train.jsonl")
+    recipe = write_recipe(tiny_assets, tmp_path, model={"name_or_path": str(tmp_path / "base")},
+                          data={"path": str(tmp_path / "data" / "train.jsonl")},
+                          train={"max_steps": 4}, checkpoint={"every_steps": 2}, lora={"r": 4, "alpha": 8})
+    crash_at_step(monkeypatch, recipe, 3)  # killed in step 3: its checkpoint at step 2
+    monkeypatch.undo()
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step_000002" / "train_state.json").read_text())
+    assert [f[0] for f in state["inputs"]["data.path"]] == ["train.jsonl"] and \
+        "model.safetensors" in [f[0] for f in state["inputs"]["model.name_or_path"]]
+    weights = load_file(tmp_path / "base" / "model.safetensors")
+    save_file({k: v + 0.01 for k, v in weights.items()}, tmp_path / "base" / "model.safetensors",
+              metadata={"format": "pt"})  # another base of the same shapes (and size)
+    with pytest.raises(LLMTrainError, match=r"have changed since checkpoint .*model.name_or_path: model.safetensors "
+                                            r"rewritten"):
+        run_train(recipe, resume="auto")
+    rows = (tmp_path / "data" / "train.jsonl").read_text().splitlines()
+    (tmp_path / "data" / "train.jsonl").write_text("\n".join(rows[: len(rows) // 2]) + "\n")
+    with pytest.raises(LLMTrainError, match="model.safetensors rewritten; data.path: train.jsonl rewritten"):
+        run_train(recipe, resume="auto")
+    capsys.readouterr()
+    run_train(recipe, resume="auto", allow_recipe_change=True)
+    said = capsys.readouterr().out
+    assert "resumed from" in said and "the files of model.name_or_path changed since the checkpoint " \
+        "(model.safetensors rewritten), taken with --allow-recipe-change" in said
+    assert "the files of data.path changed since the checkpoint (train.jsonl rewritten)" in said
 
 
 def test_resume_auto_without_checkpoint_starts_from_zero(tiny_assets, tmp_path):

@@ -60,7 +60,7 @@ from llmtrain.model.score import attach_score
 from llmtrain.model.teacher import load_teacher, teacher_problem
 from llmtrain.objectives.objective import head_loss_for
 from llmtrain.parallel.accelerator import use_fused_adamw
-from llmtrain.parallel.collectives import agreed, device_sum, global_sum, main_first
+from llmtrain.parallel.collectives import agreed, device_sum, global_sum, main_first, on_main
 from llmtrain.parallel.fsdp import receives_weights, shard_frozen, uses_fsdp
 from llmtrain.parallel.groups import groups
 from llmtrain.parallel.mesh import data_ranks, mesh_line, tensor_parallel_size
@@ -69,7 +69,7 @@ from llmtrain.parallel.pipeline.checkpoint import read_stages
 from llmtrain.parallel.sequence.shards import balance_sums
 from llmtrain.run.checkpoint import later_than, load_checkpoint, lora_only_hooks, write_failure
 from llmtrain.run.metrics import MetricsLog, flop_model, peak_flops
-from llmtrain.run.preflight import check_resume, finished_run
+from llmtrain.run.preflight import check_resume, finished_run, input_files, inputs_changed
 from llmtrain.run.rundir import RunDir, check_output_dir, claim_output_dir, has_checkpoints, inputs_inside
 from llmtrain.run.state import TrainState
 from llmtrain.run.trackers import open_trackers
@@ -126,8 +126,10 @@ def read_only_checks(recipe: Recipe, accelerator, *, resume: str | None, overwri
             raise Everywhere(str(e)) from None
     ckpt = check_output_dir(accelerator, out, resume=resume, overwrite=overwrite)
     try:
+        # the input files as the main process's disk has them (another node's copies have dates of their own)
+        files = on_main(accelerator, partial(inputs_changed, ckpt, recipe), share=True) if ckpt else None
         notes = check_resume(ckpt, recipe, world=data_ranks(accelerator)[0], fsdp=uses_fsdp(accelerator),
-                             allow_recipe_change=allow_recipe_change) if ckpt else []
+                             allow_recipe_change=allow_recipe_change, files=files) if ckpt else []
         if ckpt and (problem := round_problem(ckpt, every=updates_per_window(recipe),
                                               processes=accelerator.num_processes)):
             raise LLMTrainError(problem)
@@ -682,8 +684,16 @@ def restore(recipe: Recipe, accelerator, trainable: Trainable, *, checkpoint: Pa
     state = TrainState(examples_per_micro=0 if tc.micro_batch_tokens else tc.micro_batch_size * world,
                        processes=world, micro_batch_tokens=tc.micro_batch_tokens or 0)
     accelerator.register_for_checkpointing(trainable.scheduler, state, *getattr(objective, "checkpointed", ()))
-    if checkpoint is None:
-        return state
+    if checkpoint is not None:
+        _restore_from(recipe, accelerator, trainable, state, checkpoint, say=say)
+    state.inputs = input_files(recipe)  # what this run trains from now, saved with its checkpoints
+    return state
+
+
+def _restore_from(recipe: Recipe, accelerator, trainable: Trainable, state: TrainState, checkpoint: Path, *,
+                  say) -> None:
+    """restore's resume: the checkpoint read into the model, the optimizer and `state`."""
+    tc, (world, _) = recipe.train, data_ranks(accelerator)
     names = set(trainable.trainable_names) if trainable.trainable_names else None
     built = recipe_hyperparameters(trainable.scheduler)  # the checkpoint's groups replace them: put back after
     load_checkpoint(accelerator, checkpoint, trainable_names=names)
@@ -706,7 +716,6 @@ def restore(recipe: Recipe, accelerator, trainable: Trainable, *, checkpoint: Pa
             "is one rank): the same examples per step, but per-rank random streams (dropout) do not replay the "
             "original run's.")
         state.processes = world
-    return state
 
 
 def open_log(recipe: Recipe, accelerator, state: TrainState, *, resumed: bool, notes: tuple[str, ...],

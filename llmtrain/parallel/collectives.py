@@ -83,13 +83,14 @@ def on_first(compute, *, group, share: bool = True):
     return result if dist.get_rank(group) == 0 else shared
 
 
-def on_main(accelerator, compute):
+def on_main(accelerator, compute, *, share: bool = False):
     """`compute()` on the main process alone (what it writes for every process: the tokenised data's cache, final/),
-    the others waiting for it (they get None). An error there reaches the others (errors.Relayed, its words) instead
-    of leaving them at a barrier it never reaches, whose broken connection each would report with a traceback."""
+    the others waiting for it (they get None; `share`: its result, what the main process's disk says). An error there
+    reaches the others (errors.Relayed, its words) instead of leaving them at a barrier it never reaches, whose broken
+    connection each would report with a traceback."""
     if accelerator.num_processes == 1:
         return compute()
-    return on_first(compute, group=None, share=False)
+    return on_first(compute, group=None, share=share)
 
 
 def agreed(accelerator, compute):

@@ -86,8 +86,10 @@ def _recipe_of(path: Path) -> dict:
         return raw
 
 
-def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_recipe_change: bool) -> list[str]:
-    """Refuse a resume that cannot work; return the notes of what changed (allowed schedule changes)."""
+def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_recipe_change: bool,
+                 files: list[tuple[str, str]] | None = None) -> list[str]:
+    """Refuse a resume that cannot work; return the notes of what changed (allowed schedule changes). `files`: the
+    input files changed since the checkpoint (inputs_changed), as the main process's disk says; None: read here."""
     saved = _recipe_of(ckpt / "recipe.yaml")
     now = recipe.model_dump(mode="json")
     how = f"Resume with the recipe that wrote it ({ckpt / 'recipe.yaml'}), or start a new run in another output_dir."
@@ -148,6 +150,14 @@ def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_re
             f"{'one file a stage' if staged else 'as one model'}. Resume it with parallel.pipeline_parallel "
             f"{'> 1 (any degree)' if staged else '= 1'}.")
     state = _state(ckpt)
+    files = inputs_changed(ckpt, recipe) if files is None else files
+    if files and not allow_recipe_change:
+        listed = "; ".join(f"{key}: {what}" for key, what in files)
+        raise LLMTrainError(f"the files this run trains from have changed since checkpoint {ckpt} was written ("
+                            f"{listed}; by size or modification time): resuming would go on with other weights or "
+                            "other rows under the checkpoint's place in them. Put the files back, or start a new run "
+                            "in another output_dir; if they hold what they held (copied or touched), resume with "
+                            "--allow-recipe-change.")
     if not now["train"]["micro_batch_tokens"]:
         mb = now["train"]["micro_batch_size"]
         if state.get("examples_per_micro") != mb * world:
@@ -179,7 +189,50 @@ def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_re
                                if ended else "was interrupted. ") +
                             "Resume with the checkpoint's values, or pass --allow-recipe-change to continue with the "
                             "new ones.")
-    return [f"{k} changed from {a!r} to {b!r} at resume" for k, a, b in changed]
+    return [f"{k} changed from {a!r} to {b!r} at resume" for k, a, b in changed] + [
+        f"the files of {key} changed since the checkpoint ({what}), taken with --allow-recipe-change"
+        for key, what in files]
+
+
+def input_files(recipe: Recipe) -> dict[str, list]:
+    """The local files a run's weights come from, each [name, size, modification time], by recipe key: the model
+    folder's, and the training data's (data.path, each data.sources path). Hub ids and hub datasets have none. Saved
+    with every checkpoint (TrainState.inputs) and compared at resume (check_resume): a model or a data file replaced
+    under the same path (a base retrained with --overwrite, an edited dataset) had been resumed on silently: an
+    adapter on another base, rows other than the checkpoint's place in the epoch meant (audit 55)."""
+    cache = Path(recipe.data.cache_dir).expanduser().resolve()
+
+    def listed(paths) -> list:
+        out = []
+        for given in [paths] if isinstance(paths, str) else paths or []:
+            root = Path(given).expanduser()
+            files = [root] if root.is_file() else sorted(
+                f for f in root.rglob("*") if f.is_file() and cache not in f.resolve().parents
+                and not any(p.startswith(".") for p in f.relative_to(root).parts)) if root.is_dir() else []
+            for f in files:
+                st = f.stat()
+                out.append([str(f.relative_to(root)) if f != root else f.name, st.st_size, st.st_mtime_ns])
+        return out
+
+    found = {"model.name_or_path": listed(recipe.model.name_or_path), "data.path": listed(recipe.data.path)}
+    for i, source in enumerate(recipe.data.sources or []):
+        found[f"data.sources[{i}].path"] = listed(source.path)
+    return {k: v for k, v in found.items() if v}
+
+
+def inputs_changed(ckpt: Path, recipe: Recipe) -> list[tuple[str, str]]:
+    """[(recipe key, what changed)] for the checkpoint's input files that differ now (input_files; a checkpoint
+    written before 2026-12-07 records none). Read on one machine: another node's copies have dates of their own."""
+    was = _state(ckpt).get("inputs") or {}
+    now, out = input_files(recipe) if was else {}, []
+    for key, files in was.items():
+        if key in now and now[key] != files:
+            before, after = {f[0]: f[1:] for f in files}, {f[0]: f[1:] for f in now[key]}
+            names = sorted(set(before) | set(after))
+            what = [f"{n} {'added' if n not in before else 'gone' if n not in after else 'rewritten'}"
+                    for n in names if before.get(n) != after.get(n)]
+            out.append((key, ", ".join(what[:3]) + (f" and {len(what) - 3} more" if len(what) > 3 else "")))
+    return out
 
 
 def resume_launch(ckpt: Path) -> str:

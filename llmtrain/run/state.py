@@ -3,7 +3,7 @@ resume, advanced once per optimizer step. Nothing in it depends on when metrics 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from llmtrain.errors import LLMTrainError
 
@@ -22,6 +22,8 @@ class TrainState:
     micro_batch_tokens: int = 0  # token budget of a micro-batch (train.micro_batch_tokens); 0: by examples
     bad_steps: int = 0  # steps skipped for a non-finite loss or gradient norm (train.max_bad_steps), in all
     elapsed_s: float = 0.0  # wall time of the run up to this state, over every resumed part (0 before it existed)
+    # the local files the weights come from (preflight.input_files): a resume compares them ({}: written before)
+    inputs: dict = field(default_factory=dict)
 
     def state_dict(self) -> dict:
         return asdict(self)
