@@ -339,6 +339,16 @@ def test_a_resume_names_a_layout_that_takes_it_and_reads_a_path_however_written(
     with pytest.raises(LLMTrainError, match="That is another model or other data"):
         check_resume(ckpt, load_recipe(recipe, [f"data.path={data / 'eval.jsonl'}"]), world=1, fsdp=False,
                      allow_recipe_change=False)
+    # an accumulation the checkpoint's place in the epoch (3 micro-batches) is no whole number of: refused before
+    # anything loads, naming the value it was written with (it had been refused after the model was built)
+    odd = write_recipe(tiny_assets, tmp_path, name="odd.yaml", train={"max_steps": 3, "micro_batch_size": 16},
+                       checkpoint={"every_steps": 3}, output_dir=str(tmp_path / "odd"))
+    run_train(odd)
+    with pytest.raises(LLMTrainError, match=r"stopped 3 micro-batches into an epoch, which is not a whole number of "
+                                            r"train.grad_accum_steps=2 windows: resume with train.grad_accum_steps=1, "
+                                            r"which it was written with"):
+        check_resume(tmp_path / "odd" / "checkpoints" / "step_000003", load_recipe(odd, ["train.grad_accum_steps=2"]),
+                     world=1, fsdp=False, allow_recipe_change=True)
 
 
 def test_a_model_or_data_file_replaced_under_its_path_is_refused_at_resume(tiny_assets, tmp_path, capsys,

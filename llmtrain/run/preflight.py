@@ -18,6 +18,7 @@ from llmtrain.config import Recipe
 from llmtrain.errors import LLMTrainError
 from llmtrain.run.checkpoint import FSDP_MODEL_DIR
 from llmtrain.run.rundir import finished_without_checkpoint, has_checkpoints
+from llmtrain.run.state import position_problem
 
 # Keys whose change makes a checkpoint a different run: refused, whatever the flags.
 IDENTITY = ["model.name_or_path", "model.tokenizer", "model.dtype", "model.random_init", "data.path", "data.sources",
@@ -170,6 +171,10 @@ def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_re
             raise LLMTrainError(
                 f"the checkpoint was written with micro_batch_size x processes = {want}, this run has {mb} x "
                 f"{world} = {mb * world}. {fix}.")
+    if problem := position_problem(state, accum=now["train"]["grad_accum_steps"], processes=world,
+                                   micro_batch_tokens=now["train"]["micro_batch_tokens"] or 0,
+                                   written_accum=_get(saved, "train.grad_accum_steps")):
+        raise LLMTrainError(problem)
     changed = [(k, _get(saved, k), _get(now, k)) for k in SCHEDULE if _get(saved, k) != _get(now, k)]
     changed += [c for key in OBJECTIVE for c in _leaves(saved, now, key) if c[0] not in SCHEDULE]
     # A step is grad_accum_steps global micro-batches; by tokens, a global micro-batch is one bin per process.

@@ -51,20 +51,31 @@ class TrainState:
         tokens, the bins do not depend on the process count: the position (bins trained so far this epoch)
         carries over to any number of processes that divides it, and is converted here.
         """
+        if problem := position_problem(self.state_dict(), accum=accum, micro_batch_tokens=micro_batch_tokens,
+                                       processes=processes):
+            raise LLMTrainError(problem)
         if micro_batch_tokens:
-            bins = self.micro_in_epoch * self.processes
-            if bins % processes:
-                raise LLMTrainError(
-                    f"the checkpoint stopped after {bins} token bins of its epoch, which {processes} processes cannot "
-                    f"split evenly; resume on a number of processes that divides {bins} (it was written by "
-                    f"{self.processes})."
-                )
-            self.micro_in_epoch = bins // processes
-        if self.micro_in_epoch % accum:
-            raise LLMTrainError(
-                f"the checkpoint stopped {self.micro_in_epoch} micro-batches into an epoch, which is not a whole "
-                f"number of train.grad_accum_steps={accum} windows; resume with the grad_accum_steps it was "
-                "written with."
-            )
+            self.micro_in_epoch = self.micro_in_epoch * self.processes // processes
+
+
+def position_problem(state: dict, *, accum: int, micro_batch_tokens: int, processes: int,
+                     written_accum: int | None = None) -> str | None:
+    """Why a checkpoint's place in its epoch (`state`, a train_state.json) cannot carry over to this layout, else None:
+    by tokens, its bins must split over the processes; its micro-batches must be whole accumulation windows.
+    preflight.check_resume asks before anything loads (it had been asked after the model was built; audit 55)."""
+    micro, saved = state.get("micro_in_epoch", 0), state.get("processes") or processes
+    if micro_batch_tokens:
+        bins = micro * saved
+        if bins % processes:
+            return (f"the checkpoint stopped after {bins} token bins of its epoch, which {processes} processes cannot "
+                    f"split evenly; resume on a number of processes that divides {bins} (it was written by {saved}).")
+        micro = bins // processes
+    if micro % accum:
+        was = f"train.grad_accum_steps={written_accum}, which it was written with" if written_accum else \
+            "the grad_accum_steps it was written with"
+        return (f"the checkpoint stopped {micro} micro-batches into an epoch, which is not a whole number of "
+                f"train.grad_accum_steps={accum} windows: resume with {was}, or from a checkpoint whose place in the "
+                "epoch the new value divides.")
+    return None
 
 
