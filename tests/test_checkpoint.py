@@ -296,6 +296,14 @@ def test_a_resume_to_an_older_step_that_ends_without_a_checkpoint_removes_the_la
               allow_recipe_change=True)
     assert [r["loss"] for r in records(run)][:2] == branch[:2] and [r["step"] for r in records(run)] == \
         list(range(1, 9))
+    # the abandoned run's checkpoints past this run's end go too, whatever the cadence says (review 121: step 8 of a
+    # run saving every 4 had stayed after a branch from step 4 that ended at 6)
+    other = write_recipe(tiny_assets, tmp_path, name="other.yaml", train={"max_steps": 10},
+                         checkpoint={"every_steps": 4, "keep_last": 5}, output_dir=str(tmp_path / "other"))
+    run_train(other)
+    run_train(other, "train.max_steps=6", resume=str(tmp_path / "other" / "checkpoints" / "step_000004"),
+              allow_recipe_change=True)
+    assert _step_dirs(tmp_path / "other") == ["step_000004"]
 
 
 def test_a_finished_run_given_a_change_that_trains_nothing_is_complete(tiny_assets, tmp_path, capsys):
@@ -313,6 +321,8 @@ def test_a_finished_run_given_a_change_that_trains_nothing_is_complete(tiny_asse
     assert _snapshot(run) == before
     with pytest.raises(LLMTrainError, match="is complete, and this recipe changes train.max_steps 5 -> 7"):
         run_train(recipe, "train.max_steps=7", resume="auto")  # more steps: still asked for with the flag
+    with pytest.raises(LLMTrainError, match="holds train.optimizer=adamw's state"):  # what it trains: not complete
+        run_train(recipe, "train.optimizer=adamw_8bit", resume="auto")
 
 
 def test_a_resume_names_a_layout_that_takes_it_and_reads_a_path_however_written(tiny_assets, tmp_path):
@@ -355,11 +365,15 @@ def test_a_model_or_data_file_replaced_under_its_path_is_refused_at_resume(tiny_
                                                                          monkeypatch):
     """Audit 55: the base model's weights or the training file replaced under the same path (a base retrained with
     --overwrite, an edited dataset) were resumed on silently: a LoRA adapter on another base, other rows at the
-    checkpoint's place in the epoch. Each checkpoint records its input files (name, size, modification time); a
-    change is refused naming the file, or taken with --allow-recipe-change and said."""
+    checkpoint's place in the epoch. Each checkpoint records its input files (name, size, a hash of samples of its
+    bytes); a change is refused naming the file, or taken with --allow-recipe-change and said; a copy made again, or
+    a README edited beside the weights, is the same."""
     import shutil
 
     from safetensors.torch import load_file, save_file
+
+    from llmtrain.config import load_recipe
+    from llmtrain.run.preflight import check_resume
 
     shutil.copytree(tiny_assets / "model", tmp_path / "base")
     (tmp_path / "data").mkdir()
@@ -372,6 +386,11 @@ def test_a_model_or_data_file_replaced_under_its_path_is_refused_at_resume(tiny_
     state = json.loads((tmp_path / "run" / "checkpoints" / "step_000002" / "train_state.json").read_text())
     assert [f[0] for f in state["inputs"]["data.path"]] == ["train.jsonl"] and \
         "model.safetensors" in [f[0] for f in state["inputs"]["model.name_or_path"]]
+    for f in (tmp_path / "base").iterdir():  # copied again (new dates, the same bytes) and a README edited: the same
+        f.write_bytes(f.read_bytes())
+    (tmp_path / "base" / "README.md").write_text("notes")
+    assert check_resume(tmp_path / "run" / "checkpoints" / "step_000002", load_recipe(recipe), world=1, fsdp=False,
+                        allow_recipe_change=False) == []
     weights = load_file(tmp_path / "base" / "model.safetensors")
     save_file({k: v + 0.01 for k, v in weights.items()}, tmp_path / "base" / "model.safetensors",
               metadata={"format": "pt"})  # another base of the same shapes (and size)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -30,10 +31,11 @@ from llmtrain.data.chat import data_tokenizer
 from llmtrain.data.checks import check_context, check_data, check_epochs, check_warmup, data_plan, trained_text
 from llmtrain.data.checks import total_steps as count_steps
 from llmtrain.data.prepare import prepare_recipe
-from llmtrain.errors import Everywhere, LLMTrainError
+from llmtrain.errors import Everywhere, LLMTrainError, Stopped
 from llmtrain.layout import Layout
 from llmtrain.loop.determinism import deterministic_algorithms
 from llmtrain.loop.rounds import round_problem
+from llmtrain.loop.signals import StopRequests
 from llmtrain.model.loss import attach_loss, causal_lm
 from llmtrain.model.modeling import (
     build_optimizer,
@@ -60,7 +62,7 @@ from llmtrain.model.score import attach_score
 from llmtrain.model.teacher import load_teacher, teacher_problem
 from llmtrain.objectives.objective import head_loss_for
 from llmtrain.parallel.accelerator import use_fused_adamw
-from llmtrain.parallel.collectives import agreed, device_sum, global_sum, main_first, on_main
+from llmtrain.parallel.collectives import agreed, any_process, device_sum, global_sum, main_first, on_main
 from llmtrain.parallel.fsdp import receives_weights, shard_frozen, uses_fsdp
 from llmtrain.parallel.groups import groups
 from llmtrain.parallel.mesh import data_ranks, mesh_line, tensor_parallel_size
@@ -587,14 +589,21 @@ def reference_logps(recipe: Recipe, accelerator, data: Data, trainable: Trainabl
                     f"{spent / done * (total - done):.0f} s")
 
         begun = time.perf_counter()
-        with progress:
+        with progress, StopRequests(doing="finishing this batch of the reference pass, then keeping what it "
+                                    "computed") as asked:
             # pipeline stages: the token budget's rows, their one fixed shape (train.eval_batch_size is read only
             # with an eval there, and refused with one)
             staged = trainable.pipeline is not None
             values = precompute_reference(trainable.model, ds, accelerator, objective, batch_size=tc.eval_rows,
                                           batch_tokens=tc.micro_batch_tokens if staged else tc.eval_tokens,
                                           cache=cache, needed=needed[name], on_batch=on_batch,
-                                          pipeline=trainable.pipeline, adapter_off=off)
+                                          pipeline=trainable.pipeline, adapter_off=off,
+                                          stop_signal=lambda: asked.signum)
+            if any_process(accelerator, bool(asked.signum)):  # after its last vote, or with every pair cached
+                signum = asked.signum or signal.SIGTERM
+                raise Stopped(f"{signal.Signals(signum).name} during the reference log-probabilities: every pair "
+                              f"the run uses is cached in {cache}; the same command trains without computing them "
+                              "again", signum)
         say(f"reference log-probabilities of the {pairs} {name} pairs the run uses (of {len(ds)}): "
             f"{time.perf_counter() - begun:.1f} s, cached in {cache}")
         splits[name] = ds.add_column("ref_chosen", values[:, 0].tolist()).add_column("ref_rejected",
@@ -686,7 +695,8 @@ def restore(recipe: Recipe, accelerator, trainable: Trainable, *, checkpoint: Pa
     accelerator.register_for_checkpointing(trainable.scheduler, state, *getattr(objective, "checkpointed", ()))
     if checkpoint is not None:
         _restore_from(recipe, accelerator, trainable, state, checkpoint, say=say)
-    state.inputs = input_files(recipe)  # what this run trains from now, saved with its checkpoints
+    # what this run trains from now, saved with its checkpoints (train_state.json: the main process's)
+    state.inputs = input_files(recipe) if accelerator.is_main_process else {}
     return state
 
 

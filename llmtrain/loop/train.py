@@ -448,7 +448,8 @@ def finish(run: Run, state: TrainState, meter: Meter, est, *, end: bool = True) 
         run.log.checkpointed()  # the run is complete: what a resume set aside is of no checkpoint now
         # nor are the checkpoints of the run a resume from an older step went back on: those its own first checkpoint
         # had not replaced (it saved none, or they lie before it; audit 55)
-        discard_later(out / "checkpoints", run.resumed_at, keep=lambda step: run.cadence.at(step).save)
+        discard_later(out / "checkpoints", run.resumed_at,
+                      keep=lambda step: step <= state.step and run.cadence.at(step).save)
         final_dir = str(out / "final") if run.recipe.checkpoint.save_final else None
         say(summary_table({**summary, "final": final_dir}, out=out, evals=evals, unit=run.console.unit,
                           logged_every=run.recipe.logging.every_steps, online_rl=run.recipe.rl is not None))

@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from llmtrain.data.batching import Counts, collate, with_loss_positions
 from llmtrain.data.formats import IGNORE
 from llmtrain.errors import Stopped
-from llmtrain.loop.signals import StopRequests
 from llmtrain.model.loss import compute_loss
 from llmtrain.model.reference import forward_of
 from llmtrain.parallel.collectives import any_process, on_main
@@ -510,7 +509,8 @@ class StagePairs:
 
 def precompute_reference(model, dataset, accelerator, objective: Preference, *, batch_size: int,
                          batch_tokens: int | None, cache, needed: list[int] | None = None,
-                         on_batch=lambda done, total: None, pipeline=None, adapter_off=nullcontext) -> torch.Tensor:
+                         on_batch=lambda done, total: None, pipeline=None, adapter_off=nullcontext,
+                         stop_signal=lambda: 0) -> torch.Tensor:
     """The reference log-probabilities [pairs, 2] (chosen, rejected) of the pairs of `dataset` the run uses
     (`needed`: the examples its steps visit; None: all), with the model as it is now (the initial weights; LoRA:
     inside `adapter_off`, its adapter disabled), under no_grad. `cache` (a file) keeps every pair computed so far,
@@ -537,10 +537,9 @@ def precompute_reference(model, dataset, accelerator, objective: Preference, *, 
     stopped = False
     was_training = model.training
     model.eval()
-    # a stop request (SIGTERM, Ctrl-C) ends the pass after a batch, keeping what it computed (it had kept nothing:
-    # a preemption during a long pass lost all of it; audit 54); with several processes they vote after each pass
-    asked = StopRequests(doing="finishing this batch of the reference pass, then keeping what it computed")
-    with torch.no_grad(), adapter_off(), asked:
+    # a stop request (`stop_signal()`: SIGTERM, Ctrl-C) ends the pass after a batch, keeping what it computed (it had
+    # kept nothing: a preemption during a long pass lost all of it; audit 54); several processes vote after each pass
+    with torch.no_grad(), adapter_off():
         for start in range(0, len(mine), per_pass):
             parts = []
             for part in mine[start : start + per_pass]:
@@ -558,7 +557,7 @@ def precompute_reference(model, dataset, accelerator, objective: Preference, *, 
                     computed[idx] = torch.stack([sums[0::2], sums[1::2]], dim=1)
                     done[idx] = 1.0
             on_batch(start + len(parts), len(batches))
-            if stopped := any_process(accelerator, bool(asked.signum)):  # they stop after the same pass
+            if stopped := any_process(accelerator, bool(stop_signal())):  # they stop after the same pass
                 break
     model.train(was_training)
     if accelerator.num_processes > 1:  # a TP or sequence group's processes computed the same pairs: counted once;
@@ -575,7 +574,7 @@ def precompute_reference(model, dataset, accelerator, objective: Preference, *, 
 
     on_main(accelerator, write)  # the others wait for it (and get its error, should it fail)
     if stopped:  # on request: the pairs computed are in the cache
-        signum = asked.signum or signal.SIGTERM  # a process that got no signal stops with its peers
+        signum = stop_signal() or signal.SIGTERM  # a process that got no signal stops with its peers
         rest = ("the same command computes only the rest, then trains" if len(kept) < len(todo) else
                 "the same command trains without computing them again")
         raise Stopped(f"{signal.Signals(signum).name} during the reference log-probabilities: the {len(kept)} pairs "

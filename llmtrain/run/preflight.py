@@ -41,7 +41,8 @@ OBJECTIVE = ["lora", *SECTIONS, "train.eps", "train.neftune_alpha", "train.sft_l
              "model.router_aux_loss_coef"]
 # What fixes a finished run's weights: a finished run whose recipe differs in none of these is complete as it is
 # (logging, checkpoint, eval and layout settings change nothing of what it trained).
-TRAINED = [*IDENTITY, *SCHEDULE, *OBJECTIVE, "train.micro_batch_size", "train.grad_accum_steps"]
+TRAINED = [*IDENTITY, *SCHEDULE, *OBJECTIVE, "train.micro_batch_size", "train.grad_accum_steps", "train.optimizer",
+           "model.new_tokens", "data.eval_split"]
 
 
 PATHS = ("model.name_or_path", "model.tokenizer", "data.path")  # a local file or folder, however written
@@ -155,10 +156,9 @@ def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_re
     if files and not allow_recipe_change:
         listed = "; ".join(f"{key}: {what}" for key, what in files)
         raise LLMTrainError(f"the files this run trains from have changed since checkpoint {ckpt} was written ("
-                            f"{listed}; by size or modification time): resuming would go on with other weights or "
-                            "other rows under the checkpoint's place in them. Put the files back, or start a new run "
-                            "in another output_dir; if they hold what they held (copied or touched), resume with "
-                            "--allow-recipe-change.")
+                            f"{listed}): resuming would go on with other weights or other rows under the "
+                            "checkpoint's place in them. Put the files back, or start a new run in another "
+                            "output_dir; to go on with these files, resume with --allow-recipe-change (said).")
     if not now["train"]["micro_batch_tokens"]:
         mb = now["train"]["micro_batch_size"]
         if state.get("examples_per_micro") != mb * world:
@@ -171,10 +171,6 @@ def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_re
             raise LLMTrainError(
                 f"the checkpoint was written with micro_batch_size x processes = {want}, this run has {mb} x "
                 f"{world} = {mb * world}. {fix}.")
-    if problem := position_problem(state, accum=now["train"]["grad_accum_steps"], processes=world,
-                                   micro_batch_tokens=now["train"]["micro_batch_tokens"] or 0,
-                                   written_accum=_get(saved, "train.grad_accum_steps")):
-        raise LLMTrainError(problem)
     changed = [(k, _get(saved, k), _get(now, k)) for k in SCHEDULE if _get(saved, k) != _get(now, k)]
     changed += [c for key in OBJECTIVE for c in _leaves(saved, now, key) if c[0] not in SCHEDULE]
     # A step is grad_accum_steps global micro-batches; by tokens, a global micro-batch is one bin per process.
@@ -194,40 +190,70 @@ def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_re
                                if ended else "was interrupted. ") +
                             "Resume with the checkpoint's values, or pass --allow-recipe-change to continue with the "
                             "new ones.")
+    if problem := position_problem(state, accum=now["train"]["grad_accum_steps"], processes=world,
+                                   micro_batch_tokens=now["train"]["micro_batch_tokens"] or 0,
+                                   written_accum=_get(saved, "train.grad_accum_steps")):
+        raise LLMTrainError(problem)  # (after the changes: a refusal without the flag names them first)
     return [f"{k} changed from {a!r} to {b!r} at resume" for k, a, b in changed] + [
         f"the files of {key} changed since the checkpoint ({what}), taken with --allow-recipe-change"
         for key, what in files]
 
 
 def input_files(recipe: Recipe) -> dict[str, list]:
-    """The local files a run's weights come from, each [name, size, modification time], by recipe key: the model
-    folder's, and the training data's (data.path, each data.sources path). Hub ids and hub datasets have none. Saved
-    with every checkpoint (TrainState.inputs) and compared at resume (check_resume): a model or a data file replaced
-    under the same path (a base retrained with --overwrite, an edited dataset) had been resumed on silently: an
-    adapter on another base, rows other than the checkpoint's place in the epoch meant (audit 55)."""
-    cache = Path(recipe.data.cache_dir).expanduser().resolve()
+    """The local files a run's weights come from, each [name, size, a hash of three 64 KiB samples of it], by recipe
+    key: the model folder's weights, config and tokenizer, and the training data (data.path, each data.sources path).
+    Hub ids and hub datasets have none. Saved with every checkpoint (TrainState.inputs) and compared at resume
+    (check_resume): a model or a data file replaced under the same path (a base retrained with --overwrite, an edited
+    dataset) had been resumed on silently: an adapter on another base, other rows at the checkpoint's place in the
+    epoch (audit 55). By content, not by date: a copy made again (a job's local disk, another node) is the same."""
+    skip = [Path(p).expanduser().resolve() for p in (recipe.data.cache_dir, recipe.output_dir)]
 
-    def listed(paths) -> list:
+    def wanted(f: Path, root: Path, model: bool) -> bool:
+        if any(p.startswith(".") for p in f.relative_to(root).parts) or any(s in f.resolve().parents for s in skip):
+            return False
+        if model:
+            return f.suffix in (".safetensors", ".bin") or f.name in MODEL_FILES
+        return f.suffix in DATA_SUFFIXES
+
+    def listed(paths, *, model: bool = False) -> list:
+        given = [paths] if isinstance(paths, str) else list(paths or [])
         out = []
-        for given in [paths] if isinstance(paths, str) else paths or []:
-            root = Path(given).expanduser()
+        for k, name in enumerate(given):
+            root = Path(name).expanduser()
             files = [root] if root.is_file() else sorted(
-                f for f in root.rglob("*") if f.is_file() and cache not in f.resolve().parents
-                and not any(p.startswith(".") for p in f.relative_to(root).parts)) if root.is_dir() else []
+                f for f in root.rglob("*") if f.is_file() and wanted(f, root, model)) if root.is_dir() else []
             for f in files:
-                st = f.stat()
-                out.append([str(f.relative_to(root)) if f != root else f.name, st.st_size, st.st_mtime_ns])
+                label = str(f.relative_to(root)) if f != root else f.name
+                out.append([f"{k + 1}:{label}" if len(given) > 1 else label, f.stat().st_size, _sampled(f)])
         return out
 
-    found = {"model.name_or_path": listed(recipe.model.name_or_path), "data.path": listed(recipe.data.path)}
+    found = {"model.name_or_path": listed(recipe.model.name_or_path, model=True),
+             "data.path": listed(recipe.data.path)}
     for i, source in enumerate(recipe.data.sources or []):
         found[f"data.sources[{i}].path"] = listed(source.path)
     return {k: v for k, v in found.items() if v}
 
 
+MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "adapter_config.json")
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt", ".arrow")
+
+
+def _sampled(f: Path, block: int = 1 << 16) -> str:
+    """A hash of a file's first, middle and last 64 KiB (all of a small one): weights trained again, or rows edited,
+    change it; three reads whatever the file's size."""
+    import hashlib
+
+    h, size = hashlib.sha256(), f.stat().st_size
+    with f.open("rb") as fh:
+        for at in sorted({0, max(0, size // 2 - block // 2), max(0, size - block)}):
+            fh.seek(at)
+            h.update(fh.read(block))
+    return h.hexdigest()[:16]
+
+
 def inputs_changed(ckpt: Path, recipe: Recipe) -> list[tuple[str, str]]:
     """[(recipe key, what changed)] for the checkpoint's input files that differ now (input_files; a checkpoint
-    written before 2026-12-07 records none). Read on one machine: another node's copies have dates of their own."""
+    written before 2026-12-07 records none). Read on the main process (another node's copies are its own)."""
     was = _state(ckpt).get("inputs") or {}
     now, out = input_files(recipe) if was else {}, []
     for key, files in was.items():
@@ -306,7 +332,8 @@ def finished_run(out: Path, recipe: Recipe, *, allow_recipe_change: bool) -> dic
     if not (summary_path.is_file() and saved_path.is_file()):
         return None
     saved = _recipe_of(saved_path)
-    if _get(saved, "checkpoint.save_final") is not False and not (out / "final").is_dir():
+    if (_get(saved, "checkpoint.save_final") is not False or recipe.checkpoint.save_final) \
+            and not (out / "final").is_dir():  # (final/ asked for now, where the run wrote none: not complete)
         return None
     # output_dir is `out` in both, however written (runs/x then /abs/runs/x: the finished run had been taken for
     # an interrupted one, and its refusal said so)

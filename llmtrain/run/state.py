@@ -71,11 +71,16 @@ def position_problem(state: dict, *, accum: int, micro_batch_tokens: int, proces
                     f"split evenly; resume on a number of processes that divides {bins} (it was written by {saved}).")
         micro = bins // processes
     if micro % accum:
-        was = f"train.grad_accum_steps={written_accum}, which it was written with" if written_accum else \
-            "the grad_accum_steps it was written with"
+        if written_accum and written_accum != accum:
+            fix = (f"resume with train.grad_accum_steps={written_accum}, which it was written with, or from a "
+                   "checkpoint whose place in the epoch the new value divides")
+        elif micro_batch_tokens and saved != processes:  # the token bins a step (accumulation x processes) changed
+            fix = (f"resume on the {saved} processes it was written by, or keep train.grad_accum_steps x processes "
+                   f"= {(written_accum or accum) * saved} token bins a step")
+        else:
+            fix = "resume with the grad_accum_steps it was written with"
         return (f"the checkpoint stopped {micro} micro-batches into an epoch, which is not a whole number of "
-                f"train.grad_accum_steps={accum} windows: resume with {was}, or from a checkpoint whose place in the "
-                "epoch the new value divides.")
+                f"train.grad_accum_steps={accum} windows: {fix}.")
     return None
 
 
