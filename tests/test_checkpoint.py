@@ -343,6 +343,11 @@ def test_a_resume_names_a_layout_that_takes_it_and_reads_a_path_however_written(
         str(refused.value)
     with pytest.raises(LLMTrainError, match=r"Set train.micro_batch_size=8 \(so that the product is 16\)"):
         check_resume(ckpt, load_recipe(recipe), world=2, fsdp=False, allow_recipe_change=False)
+    # the same global batch as 8 x accumulation 2: the refusal says the accumulation goes back too
+    with pytest.raises(LLMTrainError, match=r"to resume it \(with train.grad_accum_steps=1, as it was written: the "
+                                            r"global batch is the same"):
+        check_resume(ckpt, load_recipe(recipe, ["train.micro_batch_size=8", "train.grad_accum_steps=2"]), world=1,
+                     fsdp=False, allow_recipe_change=True)
     model, data = tiny_assets / "model", tiny_assets / "data"
     spelled = [f"model.name_or_path={model}/", f"data.path={data}/../data/train.jsonl"]
     assert check_resume(ckpt, load_recipe(recipe, spelled), world=1, fsdp=False, allow_recipe_change=False) == []

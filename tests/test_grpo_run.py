@@ -458,6 +458,8 @@ def test_adaptive_entropy_control_resumes_where_it_was_killed(adaptive, tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # main tier: the entropy bonus on two pipeline stages equal to one process (test_pipeline.py),
+# and two DDP processes pooling the entropy quantile (above)
 def test_two_ddp_processes_apply_the_entropy_bonus_one_process_applies(adaptive, tmp_path, free_port):
     """The bonus's token count is the step's on every process (the counts' one collective): 2 DDP processes of 2
     prompts each train what one process of 4 does, and their controllers move alike."""

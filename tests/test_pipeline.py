@@ -816,7 +816,9 @@ def _same_rl(run: Path, one: Path, *, keys: tuple[str, ...], weights: str, tol: 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("lora, rl", [(True, {"beta": 0.04, "loss_type": "grpo"}),
-                                      (True, {"algorithm": "rloo", "beta": 0.05, "loss_type": None}),
+                                      # (main tier: GRPO's LoRA with KL above and RLOO's full fine-tune below)
+                                      pytest.param(True, {"algorithm": "rloo", "beta": 0.05, "loss_type": None},
+                                                   marks=pytest.mark.extended),
                                       # (main tier: a moving reference on stages, test_a_moving_reference_...)
                                       pytest.param(True, {"algorithm": "rloo", "beta": 0.05, "loss_type": None,
                                                           "sync_reference": {"every_steps": 2, "alpha": 1.0}},

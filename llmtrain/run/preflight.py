@@ -168,9 +168,13 @@ def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_re
                    f"{want} examples do not split over {world} data-parallel ranks: resume it on "
                    f"{' or '.join(str(n) for n in range(1, (want or 1) + 1) if want % n == 0)} (with "
                    f"train.micro_batch_size {want} / ranks)")
+            accum_was, accum = _get(saved, "train.grad_accum_steps") or 1, now["train"]["grad_accum_steps"]
+            same_batch = (f" (with train.grad_accum_steps={accum_was}, as it was written: the global batch is the "
+                          "same, but micro_batch_size x processes fixes the order the rows are read in)"
+                          if accum != accum_was and mb * world * accum == (want or 0) * accum_was else "")
             raise LLMTrainError(
                 f"the checkpoint was written with micro_batch_size x processes = {want}, this run has {mb} x "
-                f"{world} = {mb * world}. {fix}.")
+                f"{world} = {mb * world}. {fix}{same_batch}.")
     changed = [(k, _get(saved, k), _get(now, k)) for k in SCHEDULE if _get(saved, k) != _get(now, k)]
     changed += [c for key in OBJECTIVE for c in _leaves(saved, now, key) if c[0] not in SCHEDULE]
     # A step is grad_accum_steps global micro-batches; by tokens, a global micro-batch is one bin per process.
