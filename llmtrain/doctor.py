@@ -215,7 +215,8 @@ def check_memory(recipe: Recipe, launch_path: Path | None, gpu_memory: float | N
     try:
         layout = read_accelerate_config(launch_path).estimate_layout() if launch_path else {}
         shape = recipe_model_shape(recipe)
-        spec = spec_from_recipe(recipe, gpu_memory_gib=gpu_memory or 80.0, prompt_lengths=prompt_lengths, **layout)
+        card = {"gpu_memory_gib": gpu_memory} if gpu_memory else {}  # (unset: TrainSpec's default)
+        spec = spec_from_recipe(recipe, prompt_lengths=prompt_lengths, **card, **layout)
         est = estimate_run(shape, spec)  # a pipeline's worst stage, where the recipe has one
     except LLMTrainError as e:  # one row: nothing to check against a card either
         return [("memory", "warn", f"no estimate: {e}")], None

@@ -118,7 +118,8 @@ def estimate_memory(
         "--tp", help="Tensor-parallel GPUs per group, with --strategy fsdp (FSDP x TP).")] = None,
     accelerate_config: Annotated[Optional[Path], typer.Option(
         help="Read strategy and GPU counts from an accelerate launch config; explicit options win.")] = None,
-    gpu_memory: Annotated[float, typer.Option(help="Memory of one GPU in GiB.")] = 80.0,
+    gpu_memory: Annotated[Optional[float], typer.Option(
+        help="Memory of one GPU in GiB [default: 80].", show_default=False)] = None,
     intra_gbps: Annotated[Optional[float], typer.Option(help="Per-GPU bandwidth within a node in Gb/s (default "
                                                         "3600: H100 NVLink 4, 450 GB/s each way).")] = None,
     inter_gbps: Annotated[Optional[float], typer.Option(help="Per-GPU bandwidth between nodes in Gb/s (default 400: "
@@ -170,7 +171,8 @@ def estimate_memory(
                                 stages=pipeline_parallel or _recipe_stages(recipe, overrides))
     pipe = dict(pipeline_parallel=pipeline_parallel, pipeline_schedule=pipeline_schedule,
                 pipeline_chunks=pipeline_chunks)
-    launch = dict(gpu_memory_gib=gpu_memory, **layout, **{k: v for k, v in pipe.items() if v is not None})
+    # (unset: TrainSpec's default, the one home of the 80)
+    launch = dict(**layout, **{k: v for k, v in {**pipe, "gpu_memory_gib": gpu_memory}.items() if v is not None})
     if model is not None and recipe is not None and "=" in recipe.name and not recipe.exists():
         overrides = [str(recipe), *(overrides or [])]  # KEY=VALUE after --model: typer read the first as RECIPE
         recipe = None
