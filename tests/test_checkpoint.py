@@ -354,6 +354,14 @@ def test_a_resume_names_a_layout_that_takes_it_and_reads_a_path_however_written(
     with pytest.raises(LLMTrainError, match="That is another model or other data"):
         check_resume(ckpt, load_recipe(recipe, [f"data.path={data / 'eval.jsonl'}"]), world=1, fsdp=False,
                      allow_recipe_change=False)
+    # a list of data files, written otherwise
+    listed = write_recipe(tiny_assets, tmp_path, name="listed.yaml", train={"max_steps": 2, "micro_batch_size": 16},
+                          checkpoint={"every_steps": 2}, output_dir=str(tmp_path / "listed"),
+                          data={"path": [str(data / "train.jsonl")]})
+    run_train(listed)
+    assert check_resume(tmp_path / "listed" / "checkpoints" / "step_000002",
+                        load_recipe(listed, [f"data.path=[{data}/../data/train.jsonl]"]), world=1, fsdp=False,
+                        allow_recipe_change=False) == []
     # an accumulation the checkpoint's place in the epoch (3 micro-batches) is no whole number of: refused before
     # anything loads, naming the value it was written with (it had been refused after the model was built)
     odd = write_recipe(tiny_assets, tmp_path, name="odd.yaml", train={"max_steps": 3, "micro_batch_size": 16},

@@ -49,13 +49,24 @@ PATHS = ("model.name_or_path", "model.tokenizer", "data.path")  # a local file o
 
 
 def _same(key: str, was, now) -> bool:
-    """A recipe value unchanged: a path named otherwise (a trailing slash, ./, ..) is the same file where it exists
-    (it had been refused as "another model or other data"; audit 55)."""
-    if was == now:
-        return True
-    if key in PATHS and isinstance(was, str) and isinstance(now, str) and Path(was).exists() and Path(now).exists():
-        return Path(was).resolve() == Path(now).resolve()
-    return False
+    """A recipe value unchanged: a path named otherwise (a trailing slash, ./, ..) is the same file where it exists,
+    in data.path's list and in each of data.sources too (it had been refused as "another model or other data"; audit
+    55)."""
+    return was == now or _as_files(key, was) == _as_files(key, now)
+
+
+def _as_files(key: str, value):
+    """`value` with each existing local path of it resolved (PATHS, and each data.sources entry's path)."""
+    def resolved(v):
+        if isinstance(v, list):
+            return [resolved(x) for x in v]
+        return str(Path(v).resolve()) if isinstance(v, str) and Path(v).exists() else v
+
+    if key in PATHS:
+        return resolved(value)
+    if key == "data.sources" and isinstance(value, list):
+        return [{**s, "path": resolved(s.get("path"))} if isinstance(s, dict) else s for s in value]
+    return value
 
 
 def _get(d: dict, dotted: str):
