@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import yaml
-from helpers import crash_at_step, load_weights, losses, max_abs_diff, records, run_train, write_recipe
+from helpers import REPO, crash_at_step, load_weights, losses, max_abs_diff, records, run_train, write_recipe
 
 from llmtrain.config import load_recipe
 from llmtrain.errors import LLMTrainError
@@ -420,6 +420,27 @@ def test_a_model_or_data_file_replaced_under_its_path_is_refused_at_resume(tiny_
     assert "resumed from" in said and "the files of model.name_or_path changed since the checkpoint " \
         "(model.safetensors rewritten), taken with --allow-recipe-change" in said
     assert "the files of data.path changed since the checkpoint (train.jsonl rewritten)" in said
+
+
+def test_a_sampling_change_inside_a_generation_round_is_said_from_the_next_round(tmp_path):
+    """Audit 55: rl.num_generations changed (with the flag) at a checkpoint inside a round of rl.num_iterations=2 was
+    said to apply "at resume", though the round's next update trains the completions the checkpoint holds: the note
+    names the step it applies from; a change of the loss (rl.beta) applies at resume."""
+    from llmtrain.config import load_recipe
+    from llmtrain.run.preflight import check_resume
+
+    grpo = REPO / "recipes" / "tiny-grpo.yaml"
+    written = load_recipe(grpo, ["rl.num_iterations=2"])
+    ckpt = tmp_path / "step_000003"
+    ckpt.mkdir()
+    (ckpt / "recipe.yaml").write_text(written.to_yaml())
+    (ckpt / "train_state.json").write_text(json.dumps({"step": 3, "examples_per_micro": written.train.micro_batch_size,
+                                                        "processes": 1, "micro_in_epoch": 3}))
+    notes = check_resume(ckpt, load_recipe(grpo, ["rl.num_iterations=2", "rl.num_generations=4", "rl.beta=0.1"]),
+                         world=1, fsdp=False, allow_recipe_change=True)
+    assert "rl.beta changed from 0.0 to 0.1 at resume" in notes
+    assert "rl.num_generations changed from 16 to 4 at resume (from step 5: step 3 is inside a generation round of " \
+        "rl.num_iterations=2, whose completions the checkpoint holds)" in notes
 
 
 def test_resume_auto_without_checkpoint_starts_from_zero(tiny_assets, tmp_path):

@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from llmtrain.capabilities import MODES, SECTIONS, mode_of, section_of
-from llmtrain.config import Recipe
+from llmtrain.config import SAMPLING, Recipe
 from llmtrain.errors import LLMTrainError
 from llmtrain.run.checkpoint import FSDP_MODEL_DIR
 from llmtrain.run.rundir import finished_without_checkpoint, has_checkpoints
@@ -209,7 +209,15 @@ def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_re
                                    micro_batch_tokens=now["train"]["micro_batch_tokens"] or 0,
                                    written_accum=_get(saved, "train.grad_accum_steps")):
         raise LLMTrainError(problem)  # (after the changes: a refusal without the flag names them first)
-    return [f"{k} changed from {a!r} to {b!r} at resume" for k, a, b in changed] + [
+    # what draws the completions, changed inside a generation round: from the next round (the checkpoint holds the
+    # round's completions; the note had said "at resume"; audit 55)
+    every, step = _get(saved, "rl.num_iterations") or 1, int(state.get("step") or 0)
+    within = "" if every == 1 or not step % every else (
+        f" (from step {step + every - step % every + 1}: step {step} is inside a generation round of "
+        f"rl.num_iterations={every}, whose completions the checkpoint holds)")
+    drawn = {f"rl.{k}" for k in ("num_generations", "max_completion_tokens", *SAMPLING)}
+    return [f"{k} changed from {a!r} to {b!r} at resume" + (within if k in drawn else "")
+            for k, a, b in changed] + [
         f"the files of {key} changed since the checkpoint ({what}), taken with --allow-recipe-change"
         for key, what in files]
 
