@@ -222,7 +222,7 @@ def _check_resume(resume: str, out: Path, recipe, layout, *, allow_recipe_change
     else:
         ckpt = named_checkpoint(resume, out)
     if ckpt is not None and (ckpt / "train_state.json").is_file() and (ckpt / "recipe.yaml").is_file():
-        # (the input files on several nodes: each node's copies have dates of their own; the main process compares)
+        # (the input files on several nodes: this node's launcher may not be the main process's; that one compares)
         check_resume(ckpt, recipe, world=layout.data_ranks, fsdp=layout.fsdp, allow_recipe_change=allow_recipe_change,
                      files=[] if layout.nodes > 1 else None)
 

@@ -128,7 +128,7 @@ def read_only_checks(recipe: Recipe, accelerator, *, resume: str | None, overwri
             raise Everywhere(str(e)) from None
     ckpt = check_output_dir(accelerator, out, resume=resume, overwrite=overwrite)
     try:
-        # the input files as the main process's disk has them (another node's copies have dates of their own)
+        # the input files as the main process's disk has them: read once, its answer given to the others
         files = on_main(accelerator, partial(inputs_changed, ckpt, recipe), share=True) if ckpt else None
         notes = check_resume(ckpt, recipe, world=data_ranks(accelerator)[0], fsdp=uses_fsdp(accelerator),
                              allow_recipe_change=allow_recipe_change, files=files) if ckpt else []
@@ -722,9 +722,8 @@ def _restore_from(recipe: Recipe, accelerator, trainable: Trainable, state: Trai
     if state.processes != world:
         # Each rank restores its own RNG file; with more ranks than saved, the new ones start from the seed.
         say(f"note: written by {state.processes} data-parallel rank{'s' * (state.processes != 1)}, resumed on {world} "
-            "(a tensor-parallel group "
-            "is one rank): the same examples per step, but per-rank random streams (dropout) do not replay the "
-            "original run's.")
+            "(a tensor-parallel group is one rank): the same examples per step, but per-rank random streams (dropout) "
+            "do not replay the original run's.")
         state.processes = world
 
 

@@ -697,6 +697,8 @@ def damaged_text(folder, detail: str, *, what: str = "model files",
                  fix: str = "Download or copy the model again.") -> str:
     """The paragraph for weights that cannot be read: `detail` names the file and its error."""
     return f"the {what} in '{folder}' could not be read ({detail}): a weights file is truncated or damaged. {fix}"
+
+
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
 

@@ -565,6 +565,7 @@ def precompute_reference(model, dataset, accelerator, objective: Preference, *, 
         copies = 1 if pipeline is not None else accelerator.num_processes // world
         computed = accelerator.reduce(computed, reduction="sum") / copies
         done = accelerator.reduce(done, reduction="sum")
+    done = done.cpu()  # one copy from the device, not one read a pair
     kept = [i for i in todo if done[i] > 0]
     values[kept] = computed.cpu()[kept]
     def write():  # written whole under a temporary name: a crash never leaves half a file
