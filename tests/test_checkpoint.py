@@ -422,6 +422,53 @@ def test_a_model_or_data_file_replaced_under_its_path_is_refused_at_resume(tiny_
     assert "the files of data.path changed since the checkpoint (train.jsonl rewritten)" in said
 
 
+def test_the_teacher_reward_models_eval_files_and_a_chat_template_are_checked_at_resume_too(tiny_assets, tmp_path):
+    """Audit 55's check covered the model and the training data only: a distillation teacher or an RL reward model
+    retrained in place (`make demo-*` rewrites runs/tiny/final), an eval file or a Jinja chat template edited, were
+    resumed on silently (another teacher's distribution, other rewards, other rows rendered otherwise). Each is an
+    input file now; a split's name or a fraction of the training data is none."""
+    from safetensors.torch import load_file, save_file
+
+    from llmtrain.run.preflight import input_files, inputs_changed
+
+    for name in ("teacher", "scorer"):
+        shutil.copytree(tiny_assets / "model", tmp_path / name)
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    data = tiny_assets / "data"
+    distill = load_recipe(REPO / "recipes" / "tiny-distill.yaml", [
+        f"model.name_or_path={tiny_assets / 'model'}", f"data.path={data / 'train.jsonl'}",
+        f"distill.teacher={tmp_path / 'teacher'}", f"data.eval_split={data / 'eval.jsonl'}",
+        f"data.chat_template={template}"])
+    found = input_files(distill)
+    assert {"distill.teacher", "data.eval_split", "data.chat_template"} <= set(found)
+    assert "model.safetensors" in [f[0] for f in found["distill.teacher"]] and \
+        [f[0] for f in found["data.eval_split"]] == ["eval.jsonl"]
+    grpo = load_recipe(REPO / "recipes" / "tiny-grpo.yaml", [
+        f"model.name_or_path={tiny_assets / 'model'}", f"data.path={data / 'train.jsonl'}", "data.eval_split=0.1",
+        "rl.rewards=[{type: answer_match, column: completion}, "
+        f"{{type: reward_model, path: {tmp_path / 'scorer'}}}]"])
+    found = input_files(grpo)
+    assert "rl.rewards[1].path" in found and "rl.rewards[0].path" not in found and "data.eval_split" not in found
+    assert "data.eval_split" not in input_files(load_recipe(REPO / "recipes" / "tiny-grpo.yaml", [
+        f"data.path={data / 'train.jsonl'}", "data.eval_split=test"]))  # a split's name
+
+    ckpt = tmp_path / "step_000002"
+    ckpt.mkdir()
+    for recipe in (distill, grpo):
+        (ckpt / "train_state.json").write_text(json.dumps({"step": 2, "inputs": input_files(recipe)}))
+        assert inputs_changed(ckpt, recipe) == []
+    weights = load_file(tmp_path / "scorer" / "model.safetensors")
+    save_file({k: v + 0.01 for k, v in weights.items()}, tmp_path / "scorer" / "model.safetensors",
+              metadata={"format": "pt"})
+    assert inputs_changed(ckpt, grpo) == [("rl.rewards[1].path", "model.safetensors rewritten")]
+    (ckpt / "train_state.json").write_text(json.dumps({"step": 2, "inputs": input_files(distill)}))
+    shutil.copy(tmp_path / "scorer" / "model.safetensors", tmp_path / "teacher" / "model.safetensors")
+    template.write_text("{{ messages[0]['content'] }}")
+    assert inputs_changed(ckpt, distill) == [("data.chat_template", "chat.jinja rewritten"),
+                                             ("distill.teacher", "model.safetensors rewritten")]
+
+
 def test_a_sampling_change_inside_a_generation_round_is_said_from_the_next_round(tmp_path):
     """Audit 55: rl.num_generations changed (with the flag) at a checkpoint inside a round of rl.num_iterations=2 was
     said to apply "at resume", though the round's next update trains the completions the checkpoint holds: the note

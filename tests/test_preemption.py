@@ -390,6 +390,71 @@ def test_a_signal_during_a_save_or_an_eval_stops_at_that_step(tiny_assets, tmp_p
     assert max_abs_diff(load_weights(run / "final"), load_weights(tmp_path / "full" / "final")) == 0.0
 
 
+def test_a_stop_during_an_eval_ends_it_at_its_next_batch_and_the_resume_evaluates_that_step_first(
+        tiny_assets, tmp_path, monkeypatch, capsys):
+    """A stop that came during an eval waited for the whole eval (minutes of online RL's generations, on a GPU: past a
+    30 s grace period, the checkpoint after it lost). The eval ends at its next batch with nothing written, the
+    checkpoint at that step owes it (train_state.json's eval_owed), and the resumed run evaluates that step first:
+    its eval lines and final weights are the uninterrupted run's."""
+    import llmtrain.loop.train as loop
+    from llmtrain.errors import Stopped
+
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 8, "eval_every_steps": 3, "eval_batch_size": 2},
+                          data={"eval_split": 0.1}, checkpoint={"every_steps": 4, "save_final": True})
+    full = run_train(recipe, f"output_dir={tmp_path / 'full'}")
+    real, begun = loop.evaluate, []
+
+    def signalled(*args, on_batch, **kwargs):  # the first eval (step 3) is signalled as its second batch begins
+        def batch(done, total):
+            begun.append((done, total))
+            if done == 1 and len(begun) == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+            on_batch(done, total)
+        return real(*args, on_batch=batch, **kwargs)
+
+    monkeypatch.setattr(loop, "evaluate", signalled)
+    with pytest.raises(Stopped, match="SIGTERM at step 3"):
+        run_train(recipe)
+    run = tmp_path / "run"
+    assert [done for done, _ in begun] == [0, 1] and begun[0][1] > 2  # it had evaluated every batch
+    assert "step 3's eval is cut short by the stop: the resumed run evaluates step 3 first" in capsys.readouterr().out
+    assert _steps_on_disk(run) == [3] and records(run, "eval") == []  # a save at the eval's step, no eval line
+    assert json.loads((run / "checkpoints" / "step_000003" / "train_state.json").read_text())["eval_owed"] is True
+    monkeypatch.setattr(loop, "evaluate", real)
+    summary = run_train(recipe, resume="auto")
+    assert records(run, "eval") == records(tmp_path / "full", "eval") and [e["step"] for e in records(run, "eval")] \
+        == [3, 6, 8]
+    assert summary["final_loss"] == full["final_loss"]
+    assert max_abs_diff(load_weights(run / "final"), load_weights(tmp_path / "full" / "final")) == 0.0
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_process_during_an_eval_ends_it_on_both_at_one_batch(tiny_assets, tmp_path, free_port):
+    """2 gloo processes, the SIGTERM to rank 1 alone as the first eval's second batch begins (tests/stop_probe.py):
+    the processes vote before each eval batch, so both end the eval there (none waits in a collective for the
+    other), save the step, and the resumed launch evaluates it first: its eval lines are one process's."""
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 6, "eval_every_steps": 3, "eval_batch_size": 2,
+                                                        "micro_batch_size": 2},
+                          data={"eval_split": 0.1}, checkpoint={"every_steps": 6})
+    single, cut = tmp_path / "single", tmp_path / "cut"
+    run_train(recipe, f"output_dir={single}", "train.micro_batch_size=4")
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_DDP),
+              "--main_process_port", str(free_port)]
+    proc = subprocess.run([*launch, str(REPO / "tests" / "stop_probe.py"), "finetune", str(recipe),
+                           f"output_dir={cut}"], env=ENV, cwd=REPO, capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "stopped: SIGTERM at step 3" in output, output[-3000:]
+    assert "step 3's eval is cut short by the stop" in output and records(cut, "eval") == [], output[-3000:]
+    assert _steps_on_disk(cut) == [3]
+    launch[launch.index("--main_process_port") + 1] = str(free_port + 1)
+    subprocess.run([*launch, "-m", "llmtrain", "finetune", str(recipe), f"output_dir={cut}", "--resume", "auto"],
+                   env=ENV, cwd=REPO, check=True, capture_output=True, timeout=300)
+    evals, once = records(cut, "eval"), records(single, "eval")
+    assert [e["step"] for e in evals] == [e["step"] for e in once] == [3, 6]
+    assert [e["eval_loss"] for e in evals] == pytest.approx([e["eval_loss"] for e in once], abs=1e-5)
+    assert losses(cut) == pytest.approx(losses(single), abs=1e-5)
+
+
 def test_a_signal_during_the_teardown_ends_the_process_with_the_commands_status():
     """Audit 54: a second Ctrl-C under `llmtrain launch` reaches the processes as torchrun's SIGTERM, often once the
     command has returned: the stop handler raised in an atexit callback ("Exception ignored in atexit callback" and a

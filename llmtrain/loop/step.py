@@ -146,13 +146,16 @@ def eval_sums(model, dataset, accelerator, objective: Objective, *, batch_size: 
     # train.deterministic: an eval that samples (online RL's, rl.num_generations_eval's at temperature) is warn-only as
     # the rollout is; the forward-only evals stay strict
     relaxed = sampling_warn_only() if getattr(objective, "evaluates_by_sampling", False) else nullcontext()
-    with relaxed:
-        for done, window in enumerate(windows(dataset, lambda _: plan, epoch=0, micro=0, steps=passes, accum=accum,
-                                              collate=objective.collate, pin=False, columns=objective.columns)):
-            on_batch(done, passes)
-            first = window.batches[0]
-            sums = (pipeline.evaluate(window.batches) if staged
-                    else objective.eval_sums(model, first, accelerator.device) * batch_weight(first))
-            totals = sums if totals is None else totals + sums
-    model.train()
+    try:  # on_batch may end the eval (a stop request: train.EvalCut), the model back in training mode
+        with relaxed:
+            for done, window in enumerate(windows(dataset, lambda _: plan, epoch=0, micro=0, steps=passes,
+                                                  accum=accum, collate=objective.collate, pin=False,
+                                                  columns=objective.columns)):
+                on_batch(done, passes)
+                first = window.batches[0]
+                sums = (pipeline.evaluate(window.batches) if staged
+                        else objective.eval_sums(model, first, accelerator.device) * batch_weight(first))
+                totals = sums if totals is None else totals + sums
+    finally:
+        model.train()
     return data_sum(accelerator, *totals.tolist())

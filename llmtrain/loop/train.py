@@ -226,6 +226,10 @@ def train_loop(run: Run, state: TrainState, meter: Meter) -> None:
             # online RL, distillation: the starting policy's rewards or divergence, which the run is there to improve
             with meter.paused():
                 evals.append(evaluate_and_sample(run, state, progress))
+        if state.eval_owed and run.data.eval is not None:  # the checkpoint's step's eval, which a stop had cut short
+            with meter.paused():
+                evals.append(evaluate_and_sample(run, state, progress))
+        state.eval_owed = False
         # a new window a step; online RL with rl.num_iterations > 1: a new one a round, its later steps the round's
         for window in run.rounds.windows(stream, step=state.step, total=total):
             with _stopped_at(run, state.step + 1):
@@ -249,18 +253,24 @@ def train_loop(run: Run, state: TrainState, meter: Meter) -> None:
             due = run.cadence.at(state.step, stop=stop, skipped=result.skipped)
             report(run, state, meter, progress, task, logged=due.log, evals=evals)
             guard(run, state, result)  # after its metrics line: a bad step is on record
+            cut = False
             if due.eval:
                 with meter.paused():  # tokens/s counts training only
-                    evals.append(evaluate_and_sample(run, state, progress))
-                if meter.last:  # the bar shows this eval now (it had shown the one before until the next line)
-                    progress.update(task, info=progress_info(run, meter.last, evals))
+                    # a stop ends an eval at its next batch (not the last step's: final/ is written whatever comes)
+                    ev = evaluate_and_sample(run, state, progress, stop=stop_requests if state.step < total else None)
+                if ev is None:  # cut short, unrecorded: the checkpoint owes it, and the resume runs it first
+                    state.eval_owed = cut = True
+                else:
+                    evals.append(ev)
+                    if meter.last:  # the bar shows this eval now (it had shown the one before until the next line)
+                        progress.update(task, info=progress_info(run, meter.last, evals))
             if due.save:
                 with meter.paused():
                     checkpoint = save(run, state, meter)
             asked = bool(stop_requests.signum)
-            if not stop and (due.eval or due.save) and state.step < total and any_process(accelerator, asked):
+            if not stop and (due.eval or due.save) and state.step < total and (cut or any_process(accelerator, asked)):
                 # a signal that came during this step's eval or save stops here: it had cost another step and a
-                # second save, past a 30 s grace period (audit 54)
+                # second save, past a 30 s grace period (audit 54); `cut`: every process voted for it already
                 stop = True
                 if not due.save:  # an eval step is a logged step: the checkpoint is at a metrics line's end
                     with meter.paused():
@@ -338,13 +348,38 @@ def guard(run: Run, state: TrainState, result) -> None:
         diverged(run.accelerator, run.out, state.step, result.grad_norm, tc)
 
 
-def evaluate_and_sample(run: Run, state: TrainState, progress) -> dict:
-    """Eval metrics (metrics.jsonl), generated samples (samples.jsonl), and loss.png brought up to date."""
+class EvalCut(Exception):
+    """A stop request came during an eval: it ends at its next batch (or before its samples), on every process."""
+
+
+def evaluate_and_sample(run: Run, state: TrainState, progress, stop: StopRequests | None = None) -> dict | None:
+    """Eval metrics (metrics.jsonl), generated samples (samples.jsonl), and loss.png brought up to date. `stop`: the
+    loop's stop requests, voted on before each eval batch and before the samples: a signal during the eval ends it
+    there, nothing written, and None is returned (an eval of minutes, online RL's generations, had held a
+    preemption past its grace period and lost the checkpoint after it)."""
+    accelerator, say = run.accelerator, run.console.say
+    shown = progress.add_task("eval", total=None, info=f"{len(run.data.eval)} examples")
+
+    def stop_here() -> None:
+        if stop is not None and any_process(accelerator, bool(stop.signum)):  # every process ends at one batch
+            raise EvalCut
+
+    def next_batch(done: int, total: int) -> None:
+        stop_here()
+        progress.update(shown, completed=done, total=total)
+
+    try:
+        return _evaluate_and_sample(run, state, next_batch, stop_here)
+    except EvalCut:
+        say(f"step {state.step}'s eval is cut short by the stop: the resumed run evaluates step {state.step} first")
+        return None
+    finally:
+        progress.remove_task(shown)
+
+
+def _evaluate_and_sample(run: Run, state: TrainState, next_batch, stop_here) -> dict:
     tc, accelerator, eval_ds, say = run.recipe.train, run.accelerator, run.data.eval, run.console.say
-    shown = progress.add_task("eval", total=None, info=f"{len(eval_ds)} examples")
-    how = dict(batch_size=tc.eval_rows, batch_tokens=tc.eval_tokens,
-               on_batch=lambda done, total: progress.update(shown, completed=done, total=total),
-               pipeline=run.model.pipeline)
+    how = dict(batch_size=tc.eval_rows, batch_tokens=tc.eval_tokens, on_batch=next_batch, pipeline=run.model.pipeline)
     if run.recipe.data.sources is not None:  # a mixture: each source's eval rows apart, and together (their sums)
         from llmtrain.data.mixture import eval_parts
 
@@ -356,9 +391,9 @@ def evaluate_and_sample(run: Run, state: TrainState, progress) -> dict:
                    for k, v in run.objective.eval_metrics(sums).items()}
     else:
         ev = evaluate(run.model.model, eval_ds, accelerator, run.objective, **how)
-    progress.remove_task(shown)
     samples = []
     if tc.eval_samples:  # every rank generates (under FSDP each forward gathers all ranks' shards)
+        stop_here()  # a stop during the eval's last batch ends it before the samples
         # KTO: only a desirable row's completion is a reply to expect (an undesirable one had counted as an answer)
         keep = getattr(run.objective, "expected_rows", None)
         rows = [i for i, ok in enumerate(eval_ds[keep]) if ok] if keep else range(len(eval_ds))

@@ -15,6 +15,7 @@ import yaml
 
 from llmtrain.capabilities import MODES, SECTIONS, mode_of, section_of
 from llmtrain.config import SAMPLING, Recipe
+from llmtrain.data.sources import is_split_name
 from llmtrain.errors import LLMTrainError
 from llmtrain.run.checkpoint import FSDP_MODEL_DIR
 from llmtrain.run.rundir import finished_without_checkpoint, has_checkpoints
@@ -224,7 +225,9 @@ def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_re
 
 def input_files(recipe: Recipe) -> dict[str, list]:
     """The local files a run's weights come from, each [name, size, a hash of three 64 KiB samples of it], by recipe
-    key: the model folder's weights, config and tokenizer, and the training data (data.path, each data.sources path).
+    key: the model folder's weights, config and tokenizer, the training and eval data (data.path, data.eval_split's
+    files, each data.sources path and eval_split), a chat template file, and the models that score or teach it
+    (distill.teacher, each reward model of rl.rewards: replaced in place, they had been resumed on silently too).
     Hub ids and hub datasets have none. Saved with every checkpoint (TrainState.inputs) and compared at resume
     (check_resume): a model or a data file replaced under the same path (a base retrained with --overwrite, an edited
     dataset) had been resumed on silently: an adapter on another base, other rows at the checkpoint's place in the
@@ -250,10 +253,20 @@ def input_files(recipe: Recipe) -> dict[str, list]:
                 out.append([f"{k + 1}:{label}" if len(given) > 1 else label, f.stat().st_size, _sampled(f)])
         return out
 
-    found = {"model.name_or_path": listed(recipe.model.name_or_path, model=True),
-             "data.path": listed(recipe.data.path)}
-    for i, source in enumerate(recipe.data.sources or []):
+    def held_out(split) -> list:  # eval file(s); a fraction, or a split's name, is the training data's
+        return listed(split) if isinstance(split, (str, list)) and not is_split_name(split) else []
+
+    d = recipe.data
+    found = {"model.name_or_path": listed(recipe.model.name_or_path, model=True), "data.path": listed(d.path),
+             "data.eval_split": held_out(d.eval_split),
+             "data.chat_template": listed(d.chat_template) if isinstance(d.chat_template, str) else []}
+    for i, source in enumerate(d.sources or []):
         found[f"data.sources[{i}].path"] = listed(source.path)
+        found[f"data.sources[{i}].eval_split"] = held_out(source.eval_split)
+    if recipe.distill is not None:
+        found["distill.teacher"] = listed(recipe.distill.teacher, model=True)
+    for i, reward in enumerate(recipe.rl.rewards if recipe.rl is not None else []):
+        found[f"rl.rewards[{i}].path"] = listed(reward.path, model=True) if reward.path else []
     return {k: v for k, v in found.items() if v}
 
 

@@ -24,6 +24,7 @@ class TrainState:
     elapsed_s: float = 0.0  # wall time of the run up to this state, over every resumed part (0 before it existed)
     # the local files the weights come from (preflight.input_files): a resume compares them ({}: written before)
     inputs: dict = field(default_factory=dict)
+    eval_owed: bool = False  # a stop cut this step's eval short: the resumed run evaluates the step first
 
     def state_dict(self) -> dict:
         return asdict(self)
