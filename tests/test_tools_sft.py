@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import MISTRAL, needs
+from helpers import REPO
 from test_chat_templates import CHAT, stand_in_tokenizer, trained_runs, untrained_text
 
 from llmtrain.data.formats import IGNORE, encode_example, row_problem
@@ -214,6 +215,49 @@ def test_a_tool_use_dataset_prepares_and_trains_as_each_row_encodes(tmp_path):
     run_train(recipe)
     losses = [r["loss"] for r in records(tmp_path / "run")]
     assert len(losses) == 3 and losses[-1] < losses[0]
+
+
+def test_rows_that_call_tools_without_schemas_are_counted_and_warned(tiny_assets, tmp_path):
+    """Rows whose assistant turns call tools and give no `tools` trained without a word: the template shows no schema,
+    and the model learns to call tools it is never shown. The preparation counts them (DataStats.untooled, over every
+    row, a mixture's sources added up, as its empty replies now are: a mixture had counted none), and finetune's and
+    doctor's data checks warn; the same rows with their tools do not."""
+    from transformers import AutoTokenizer
+
+    from llmtrain.config import load_recipe
+    from llmtrain.data.checks import load_data
+    from llmtrain.data.prepare import prepare_recipe
+
+    rows = [json.loads(line) for line in (tiny_assets / "data" / "train_tools.jsonl").read_text().splitlines()]
+    bare = tmp_path / "bare.jsonl"
+    bare.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "tools"}) + "\n" for r in rows))
+    calling = sum(any(m.get("tool_calls") for m in r["messages"]) for r in rows)
+    assert 0 < calling < len(rows)
+    tok = AutoTokenizer.from_pretrained(tiny_assets / "model")
+    base = [f"model.name_or_path={tiny_assets / 'model'}", f"data.cache_dir={tmp_path / 'cache'}",
+            f"data.chat_template={tiny_assets / 'data' / 'tools.jinja'}", "data.eval_split=null"]
+    tools_recipe = REPO / "recipes" / "tiny-tools-sft.yaml"
+
+    def warned(recipe) -> list[str]:
+        return [text for name, status, text in load_data(recipe, tok) if name == "tool schemas" and status == "warn"]
+
+    with_tools = load_recipe(tools_recipe, [*base, f"data.path={tiny_assets / 'data' / 'train_tools.jsonl'}"])
+    assert prepare_recipe(with_tools, tok)[2]["train"].untooled == 0 and warned(with_tools) == []
+    without = load_recipe(tools_recipe, [*base, f"data.path={bare}"])
+    assert prepare_recipe(without, tok)[2]["train"].untooled == calling
+    assert warned(without) == [f"{calling:,} of {len(rows):,} examples call tools and give no `tools`: the chat "
+                               "template shows the model no schema, so it learns to call tools it is never shown. "
+                               "Give each row its tools (a `tools` column of JSON schemas, TRL's format: "
+                               "docs/tools.md); where a system message of the rows describes them, as some datasets' "
+                               "do, this is as meant."]
+    empty = tmp_path / "empty.jsonl"  # a source of empty replies beside it: the mixture counts both sources' rows
+    empty.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"},
+                                                      {"role": "assistant", "content": ""}]}) + "\n"
+                             for i in range(4)))
+    mixture = load_recipe(tools_recipe, [*base, "data.path=null", f"data.sources=[{{path: {bare}, format: messages, "
+                                         f"weight: 1}}, {{path: {empty}, format: messages, weight: 1}}]"])
+    stats = prepare_recipe(mixture, tok)[2]["train"]
+    assert (stats.untooled, stats.one_token) == (calling, 4)
 
 
 @needs(MISTRAL)

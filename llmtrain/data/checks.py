@@ -274,6 +274,12 @@ def check_data(recipe: Recipe, stats: DataStats, train, eval_ds, tokenizer, *, r
             rows = [r for r in rows if r[0] != "empty replies"] + (
                 [("empty replies", "warn", f"{stats.one_token:,} of {stats.examples:,} examples train only the stop "
                   "token: their completion is empty. Check data.fields.")] if stats.one_token else [])
+    if stats.untooled:
+        rows.append(("tool schemas", "warn", f"{stats.untooled:,} of {stats.examples:,} examples call tools and "
+                     "give no `tools`: the chat template shows the model no schema, so it learns to call tools it "
+                     "is never shown. Give each row its tools (a `tools` column of JSON schemas, TRL's format: "
+                     "docs/tools.md); where a system message of the rows describes them, as some datasets' do, this "
+                     "is as meant."))
     if recipe.kto is not None and len(train):  # TRL's warning on the balance of desirable and undesirable rows
         from llmtrain.data.unpaired import balance_warning
 

@@ -463,7 +463,7 @@ def encode_example(example: dict, tokenizer, cfg: DataConfig, *, template: str |
     """Format, tokenise and mask one example; truncate it to data.max_seq_len. `template`: read_template(cfg).
     `keep_cut`: also what the truncation cut off its end (cut_ids, cut_labels; KTO's KL sequences read them).
     `rejected`: a completion the data reject (encode_messages)."""
-    chat = chat_of(example, cfg)
+    chat, untooled = chat_of(example, cfg), False
     if chat is not None:
         if template is None:  # (None again where the tokenizer's own renders as it is)
             template = read_template(cfg, tokenizer)
@@ -471,6 +471,8 @@ def encode_example(example: dict, tokenizer, cfg: DataConfig, *, template: str |
         # with the schemas never shown)
         tools = tool_schemas(_column(example, cfg, "tools"), "a row") if cfg.format in (
             "messages", "prompt_completion") else None
+        # calls with no schemas to show: counted (DataStats.untooled), said by checks.check_data
+        untooled = not tools and any(isinstance(m, dict) and m.get("tool_calls") for m in chat[0])
         ids, labels = encode_messages(chat[0], tokenizer, train_on_prompt=cfg.train_on_prompt, template=template,
                                       first=chat[1], tools=tools, rejected=rejected)
     elif cfg.format == "text":
@@ -484,7 +486,7 @@ def encode_example(example: dict, tokenizer, cfg: DataConfig, *, template: str |
     # The first token is never a target (nothing predicts it), so it does not count as trained.
     trained = len(labels) - labels.count(IGNORE) - (bool(labels) and labels[0] != IGNORE)
     return {"input_ids": ids, "labels": labels, "length": len(ids), "trained": trained, "truncated": truncated,
-            **cut}
+            "untooled": untooled, **cut}
 
 
 def prompt_length(labels) -> int:

@@ -39,8 +39,9 @@ from llmtrain.data.sources import is_local as _is_local
 from llmtrain.data.unpaired import UNPAIRED_COLUMNS, encode_unpaired, one_kind_problem, unpaired_problem
 from llmtrain.errors import LLMTrainError
 
-CACHE_VERSION = 16  # bump when tokenisation or masking changes, so old caches are not reused (15: the values of a
-# column of several types as the file writes them, sources.as_written; 16: tool chats that cannot be meant refused)
+CACHE_VERSION = 17  # bump when tokenisation or masking changes, so old caches are not reused (15: the values of a
+# column of several types as the file writes them, sources.as_written; 16: tool chats that cannot be meant refused;
+# 17: the stats count the rows that call tools with no schemas, DataStats.untooled)
 SOURCE = "source"  # a mixture's rows: which of data.sources a row comes from (its index)
 ROW = "__llmtrain_row"  # a row's number in its file, kept through a shuffled eval split (0-based)
 SHOWN_ROWS = 5  # dropped rows named in the report
@@ -116,6 +117,7 @@ class DataStats:
     length_max: int
     drops: dict[str, int] = field(default_factory=dict)  # why rows were dropped (in words): how many
     one_token: int = 0  # rows that train one token alone (an empty reply: its stop token), over every row
+    untooled: int = 0  # rows whose chat calls tools and gives no `tools` (schemas) to show the model
     # the first few dropped rows' numbers (1-based); a mixture's named with their file ('qa.jsonl:202')
     dropped_rows: list[int | str] = field(default_factory=list)
 
@@ -134,7 +136,8 @@ class DataStats:
 
 
 def compute_stats(lengths: list[int], trained: list[int], truncated: list[bool], dropped: int, *,
-                  drops: dict[str, int] | None = None, dropped_rows: list[int] | None = None) -> DataStats:
+                  drops: dict[str, int] | None = None, dropped_rows: list[int] | None = None,
+                  untooled: int = 0) -> DataStats:
     srt = sorted(lengths) or [0]
 
     def pct(q: float) -> int:
@@ -144,6 +147,7 @@ def compute_stats(lengths: list[int], trained: list[int], truncated: list[bool],
         examples=len(lengths), dropped=dropped, truncated=sum(truncated), tokens=sum(lengths),
         trained_tokens=sum(trained), length_p50=pct(0.5), length_p90=pct(0.9), length_p99=pct(0.99),
         length_max=srt[-1], drops=drops or {}, dropped_rows=dropped_rows or [], one_token=sum(t == 1 for t in trained),
+        untooled=untooled,
     )
 
 
@@ -245,7 +249,8 @@ def tokenize_dataset(raw, tokenizer, cfg: DataConfig, source: str, *, tools: lis
     reasons = enc.select(dropped)["drop"] if dropped else []
     stats = compute_stats(kept["length"], kept["trained"], kept["truncated"], dropped=len(dropped),
                           drops=dict(Counter(reasons)),
-                          dropped_rows=[r + 1 for r in enc.select(dropped[:SHOWN_ROWS])["row"]])
+                          dropped_rows=[r + 1 for r in enc.select(dropped[:SHOWN_ROWS])["row"]],
+                          untooled=sum(kept["untooled"]) if "untooled" in kept.column_names else 0)
     if cfg.format == "prompt":  # the prompt as given, its tokens, its row; every other column for the rewards
         return kept.remove_columns(["trained", "truncated", "drop"]), stats
     # row: an example's number in its file (on-policy distillation seeds its completion with it)
@@ -512,4 +517,6 @@ def merge_stats(parts: list[DataStats], lengths, names: list[str]) -> DataStats:
     merged = compute_stats(list(lengths), [], [], dropped=sum(p.dropped for p in parts), drops=dict(drops),
                            dropped_rows=shown)
     return replace(merged, truncated=sum(p.truncated for p in parts),
-                   trained_tokens=sum(p.trained_tokens for p in parts))
+                   trained_tokens=sum(p.trained_tokens for p in parts),
+                   # (a mixture's empty replies had counted none: the sources' rows are not read again here)
+                   one_token=sum(p.one_token for p in parts), untooled=sum(p.untooled for p in parts))
