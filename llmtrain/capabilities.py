@@ -561,12 +561,18 @@ def attention_problems(recipe, config, *, sinks: bool = False, installed=None,
         def installed(module):
             return find_spec(module) is not None
     m = recipe.model
-    varlen, packing = m.varlen, recipe.data.packing
+    # a token budget packs every micro-batch whatever data.packing says (batching.packs): it had passed unrefused
+    budget = getattr(getattr(recipe, "train", None), "micro_batch_tokens", None)
+    varlen, packing = m.varlen, bool(recipe.data.packing or budget)
+    packed_by = (f"train.micro_batch_tokens={budget} (a token budget packs every micro-batch)" if budget and
+                 not recipe.data.packing else "data.packing")
+    no_packing = " and ".join(["data.packing=false"] * bool(recipe.data.packing) + [
+        "train.micro_batch_tokens=null (micro-batches of train.micro_batch_size rows)"] * bool(budget))
     name = getattr(config, "model_type", None) or "this model"
     attn = f"model.attn_implementation={m.attn_implementation} (llmtrain's varlen attention)"
 
     def unpacked(attention: str) -> str:  # the settings that train each example as a padded row of its own
-        return " and ".join([f"model.attn_implementation={attention}"] * varlen + ["data.packing=false"] * packing)
+        return " and ".join([f"model.attn_implementation={attention}"] * varlen + [no_packing] * packing)
 
     out = []
     other = [k for k in dict.fromkeys(getattr(config, "layer_types", None) or ()) if k not in ATTENTION_KINDS]
@@ -577,7 +583,7 @@ def attention_problems(recipe, config, *, sinks: bool = False, installed=None,
                 if kernels else "with no kernel llmtrain knows of: ")
         out.append(f"{name} has {' and '.join(missing)} layers (config.layer_types), which are not attention "
                    f"(Qwen3.5's and Qwen3-Next's Gated DeltaNet are linear_attention): transformers runs them, and "
-                   f"keeps the examples of a packed row (data.packing, and the varlen attention's padded rows, each "
+                   f"keeps the examples of a packed row ({packed_by}, and the varlen attention's padded rows, each "
                    f"pad an example of its own) apart in them {need}train each example as a padded row of its own: "
                    f"{unpacked('sdpa')}")
     if chunk := getattr(config, "attention_chunk_size", None):
@@ -586,13 +592,13 @@ def attention_problems(recipe, config, *, sinks: bool = False, installed=None,
         if varlen:
             fix = ("model.attn_implementation=sdpa (transformers' chunked mask, which keeps a packed row's examples "
                    "apart too)" if packed_chunks or not packing else
-                   f"model.attn_implementation=sdpa and data.packing=false ({_OLD_CHUNKS})")
+                   f"model.attn_implementation=sdpa and {no_packing} ({_OLD_CHUNKS})")
             out.append(f"{attn} lets each token see its whole example, and {name} attends within chunks of {chunk} "
                        f"tokens (attention_chunk_size, Llama 4): set {fix}")
         elif packing and not packed_chunks:
-            out.append(f"data.packing with model.attn_implementation={m.attn_implementation}: {name} attends within "
+            out.append(f"{packed_by} with model.attn_implementation={m.attn_implementation}: {name} attends within "
                        f"chunks of {chunk} tokens (attention_chunk_size, Llama 4), and {_OLD_CHUNKS}: set "
-                       f"data.packing=false, or install transformers 5.25 or later")
+                       f"{no_packing}, or install transformers 5.25 or later")
     if varlen and (cap := getattr(config, "attn_logit_softcapping", None)):
         out.append(f"{attn} does not cap attention scores, and {name} caps them (attn_logit_softcapping={cap:g}): "
                    f"set model.attn_implementation=eager")
@@ -604,10 +610,10 @@ def attention_problems(recipe, config, *, sinks: bool = False, installed=None,
                    "and refuses to load it so: set model.attn_implementation=auto (llmtrain's varlen attention) or "
                    "eager")
     if sinks and packing and not varlen:
-        out.append(f"data.packing with model.attn_implementation={m.attn_implementation}: {name}'s attention has "
+        out.append(f"{packed_by} with model.attn_implementation={m.attn_implementation}: {name}'s attention has "
                    f"sinks (GPT-OSS), and transformers builds its masks without a packed row's position ids, so a "
                    f"packed row's examples would attend to each other: set model.attn_implementation=auto "
-                   f"(llmtrain's varlen attention computes the sinks, each example on its own), or data.packing=false")
+                   f"(llmtrain's varlen attention computes the sinks, each example on its own), or {no_packing}")
     return out
 
 

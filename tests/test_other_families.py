@@ -125,11 +125,11 @@ def test_what_a_refused_setting_would_get_wrong_and_the_advised_setting_gets_rig
     assert batch_loss(model_type, impl(advised[0]), packing=advised[1]) == pytest.approx(want, rel=1e-6)
 
 
-def recipe(attn: str = "auto", packing: bool = False):
+def recipe(attn: str = "auto", packing: bool = False, budget: int | None = None):
     from llmtrain.config import ModelConfig
 
     return SimpleNamespace(model=ModelConfig(name_or_path="unused", attn_implementation=attn),
-                           data=SimpleNamespace(packing=packing))
+                           data=SimpleNamespace(packing=packing), train=SimpleNamespace(micro_batch_tokens=budget))
 
 
 def test_the_rules_refuse_each_from_its_config_and_pass_the_setting_they_give():
@@ -168,6 +168,17 @@ def test_the_rules_refuse_each_from_its_config_and_pass_the_setting_they_give():
                    "on its own), or data.packing=false"), p
     assert capabilities.attention_problems(recipe("eager"), oss, sinks=True) == []
     assert capabilities.attention_problems(recipe(packing=True), oss, sinks=True) == []  # the varlen attention's
+    # a token budget packs every micro-batch whatever data.packing says: GPT-OSS's eager run had trained on packed
+    # rows whose examples saw each other (step 1's loss 4.6465 against the varlen attention's 4.6443; audit 58)
+    [p] = capabilities.attention_problems(recipe("eager", budget=512), oss, sinks=True)
+    assert p.startswith("train.micro_batch_tokens=512 (a token budget packs every micro-batch) with "
+                        "model.attn_implementation=eager: gpt_oss's attention has sinks") and p.endswith(
+        "or train.micro_batch_tokens=null (micro-batches of train.micro_batch_size rows)"), p
+    [p] = capabilities.attention_problems(recipe("sdpa", budget=512), q35, **none)
+    assert "keeps the examples of a packed row (train.micro_batch_tokens=512 (a token budget" in p, p
+    [p] = capabilities.attention_problems(recipe("sdpa", budget=512), l4, packed_chunks=False)
+    assert p.endswith("set train.micro_batch_tokens=null (micro-batches of train.micro_batch_size rows), or install "
+                      "transformers 5.25 or later"), p
 
 
 def test_an_attention_kernel_transformers_lacks_for_the_model_is_refused_before_the_run_and_the_estimate():

@@ -378,10 +378,12 @@ def _check_attention(model: str, spec) -> None:
     if config is None:
         return
     run = SimpleNamespace(model=ModelConfig(name_or_path=str(model), attn_implementation=spec.attn_implementation),
-                          data=SimpleNamespace(packing=spec.packing))
+                          data=SimpleNamespace(packing=spec.packing),
+                          train=SimpleNamespace(micro_batch_tokens=spec.micro_batch_tokens))
     if found := capabilities.attention_problems(run, config):
         raise LLMTrainError(f"{model} would be refused with these options (--attn is model.attn_implementation, "
-                            "--packing data.packing), so there is no run to estimate: " + capabilities.paragraph(found))
+                            "--packing data.packing, --micro-batch-tokens train.micro_batch_tokens), so there is "
+                            "no run to estimate: " + capabilities.paragraph(found))
 
 
 def _check_ignored(run: dict, pipe: dict, spec) -> None:
