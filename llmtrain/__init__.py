@@ -17,3 +17,19 @@ _warnings.filterwarnings("ignore", message="Slicing a flattened dim from root me
 # DTensor says that a 2-D (FSDP x TP) gradient norm or full-state gather runs two collectives where one flattened
 # dimension could run one: a performance note about PyTorch's own redistribution, on every process of every step.
 _logging.getLogger("torch.distributed.tensor._redistribute").setLevel(_logging.ERROR)
+# The `kernels` package (imported with peft and bitsandbytes) says on every command, offline, that it skips a trust
+# check of a bitsandbytes kernel repository the run never fetches (llmtrain turns HF_HUB_OFFLINE on itself when the
+# hub does not answer): noise naming a package the run does not use (audit 58).
+_logging.getLogger("kernels._internals.hf_hub").setLevel(_logging.ERROR)
+
+
+class _TiedHeadSaved(_logging.Filter):
+    """Accelerate asks the user to check, on every save of a model whose head shares the embedding (Qwen3 below 8B,
+    Gemma 3, Llama 3.2), that reloading gives no warning: llmtrain saves the tied weight once itself (run/export.
+    tied_once) and its tests reload it (audit 58)."""
+
+    def filter(self, record: _logging.LogRecord) -> bool:
+        return "Removed shared tensor" not in record.getMessage()
+
+
+_logging.getLogger("accelerate.utils.other").addFilter(_TiedHeadSaved())

@@ -490,6 +490,67 @@ def test_a_sampling_change_inside_a_generation_round_is_said_from_the_next_round
         "rl.num_iterations=2, whose completions the checkpoint holds)" in notes
 
 
+def _written(folder, recipe, step: int):
+    """A checkpoint folder as check_resume reads it: its recipe.yaml and train_state.json."""
+    folder.mkdir(parents=True)
+    (folder / "recipe.yaml").write_text(recipe.to_yaml())
+    (folder / "train_state.json").write_text(json.dumps({"step": step, "processes": 1, "micro_in_epoch": step,
+                                                         "examples_per_micro": recipe.train.micro_batch_size}))
+    return folder
+
+
+def test_how_a_mode_computes_is_taken_and_said_and_its_paths_are_the_same_however_written(tmp_path):
+    """Audit 57: rl.sampler, rl.num_generations_eval, rl.micro_batch_tokens, distill.sampler (how the steps are
+    computed, what the eval draws: not what is trained) needed --allow-recipe-change, refused as "what it trains would
+    differ"; distill.teacher and a reward model's path with a trailing slash were other paths. They are taken at
+    resume and said; a finished run is complete whatever they are."""
+    from llmtrain.run.preflight import check_resume, finished_run
+
+    (tmp_path / "teacher").mkdir()
+    distill = REPO / "recipes" / "tiny-distill.yaml"
+    ckpt = _written(tmp_path / "d" / "checkpoints" / "step_000002", load_recipe(distill, [
+        f"distill.teacher={tmp_path / 'teacher'}"]), 2)
+    notes = check_resume(ckpt, load_recipe(distill, [f"distill.teacher={tmp_path / 'teacher'}/",
+                                                     "distill.sampler=static"]),
+                         world=1, fsdp=False, allow_recipe_change=False, files=[])
+    assert notes == ["distill.sampler changed from 'graph' to 'static' at resume (how the steps are computed or the "
+                     "eval is drawn, not what is trained)"]
+    (tmp_path / "scorer").mkdir()
+    grpo, scored = REPO / "recipes" / "tiny-grpo.yaml", f"rl.rewards=[{{type: reward_model, path: {tmp_path}/scorer}}]"
+    ckpt = _written(tmp_path / "g" / "checkpoints" / "step_000002", load_recipe(grpo, [scored]), 2)
+    now = load_recipe(grpo, [scored.replace("scorer", "scorer/"), "rl.sampler=reference", "rl.num_generations_eval=4",
+                             "rl.micro_batch_tokens=1024"])
+    notes = check_resume(ckpt, now, world=1, fsdp=False, allow_recipe_change=False, files=[])
+    assert [n.split(" changed")[0] for n in notes] == ["rl.num_generations_eval", "rl.sampler", "rl.micro_batch_tokens"]
+    with pytest.raises(LLMTrainError, match=r"this recipe changes rl.beta 0.0 -> 0.1 against checkpoint"):
+        check_resume(ckpt, load_recipe(grpo, [scored, "rl.beta=0.1"]), world=1, fsdp=False, allow_recipe_change=False,
+                     files=[])
+    run = tmp_path / "g"  # finished: a new sampler (or eval draws) changes nothing of what it trained
+    (run / "final").mkdir()
+    (run / "recipe.yaml").write_text((ckpt / "recipe.yaml").read_text())
+    (run / "summary.json").write_text(json.dumps({"steps": 2}))
+    assert finished_run(run, now, allow_recipe_change=False) == {"steps": 2}
+
+
+def test_a_change_of_what_a_finished_run_trains_at_its_last_checkpoint_says_no_step_is_left(tmp_path):
+    """Audit 57: kto.beta changed on a finished run whose last checkpoint is its last step was refused as a change to
+    "the run that was interrupted", with --allow-recipe-change advised, which was then refused as "nothing is left to
+    train". The refusal says the run is complete and no step is left: raise train.max_steps, or a new output_dir."""
+    from llmtrain.run.preflight import check_resume
+
+    kto = REPO / "recipes" / "tiny-kto.yaml"
+    recipe = load_recipe(kto, ["train.max_steps=4"])
+    ckpt = _written(tmp_path / "k" / "checkpoints" / "step_000004", recipe, 4)
+    (tmp_path / "k" / "summary.json").write_text(json.dumps({"steps": 4}))
+    with pytest.raises(LLMTrainError) as e:
+        check_resume(ckpt, load_recipe(kto, ["train.max_steps=4", "kto.beta=0.3"]), world=1, fsdp=False,
+                     allow_recipe_change=False, files=[])
+    assert str(e.value) == (f"this recipe changes kto.beta 0.1 -> 0.3 against checkpoint {ckpt}, the last step of the "
+                            f"run in {tmp_path / 'k'}, which is complete: no step is left to train with the new "
+                            "values. Raise train.max_steps above 4 (with --allow-recipe-change) to train it further "
+                            "with them, or start a new run in another output_dir; nothing was changed.")
+
+
 def test_resume_auto_without_checkpoint_starts_from_zero(tiny_assets, tmp_path):
     """--resume auto on an empty output_dir (a job's first start under a requeue script) just trains."""
     recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 2})
@@ -544,7 +605,7 @@ def test_a_mistyped_step_folder_is_said_missing_with_the_steps_there(tiny_assets
 def test_resume_with_a_different_batch_layout_is_refused(tiny_assets, tmp_path):
     recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 4}, checkpoint={"every_steps": 2})
     run_train(recipe)
-    with pytest.raises(LLMTrainError, match="micro_batch_size x processes = 4"):
+    with pytest.raises(LLMTrainError, match="micro_batch_size x data-parallel ranks = 4"):
         run_train(recipe, "train.max_steps=6", "train.micro_batch_size=2", resume="auto", allow_recipe_change=True)
 
 

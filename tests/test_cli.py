@@ -262,3 +262,23 @@ def test_a_launched_process_that_succeeds_skips_teardown_and_keeps_its_output(wo
     assert proc.stdout.startswith("before") and "Traceback" not in proc.stderr
     assert ("finetune" in proc.stdout) if code == 0 else ("no-such-recipe.yaml" in proc.stderr)
     assert ("teardown ran" in proc.stdout) == (world_size == "1" or code != 0)
+
+
+def test_library_notes_with_nothing_for_the_user_to_do_are_not_shown(caplog):
+    """Audit 58: every save of a model with a tied head printed accelerate's "Removed shared tensor ... check by
+    verifying that you don't receive any warning while reloading" (llmtrain saves the tied weight once and reloads
+    it), and every offline LoRA command the `kernels` package's "Skipping publisher trust check" of a repository the
+    run never fetches. Both are dropped where they are logged; the same loggers' other warnings are not."""
+    import logging
+
+    import llmtrain  # noqa: F401  (its import quiets them)
+
+    with caplog.at_level(logging.WARNING):
+        logging.getLogger("accelerate.utils.other").warning(
+            "[RANK 0] Removed shared tensor {'lm_head.weight'} while saving. This should be OK, but check by verifying "
+            "that you don't receive any warning while reloading")
+        logging.getLogger("accelerate.utils.other").warning("another of accelerate's warnings")
+        logging.getLogger("kernels._internals.hf_hub").warning(
+            "Skipping publisher trust check for 'kernels-community/quantization-bitsandbytes' because Hugging Face "
+            "Hub is in offline mode.")
+    assert [r.getMessage() for r in caplog.records] == ["another of accelerate's warnings"]

@@ -11,7 +11,7 @@ import re
 
 import pytest
 import torch
-from helpers import load_weights, max_abs_diff, records, run_train, write_recipe
+from helpers import REPO, load_weights, max_abs_diff, records, run_train, write_recipe
 
 from llmtrain.config import DataConfig, KTOConfig, LoraConfig, ModelConfig
 from llmtrain.data.formats import encode_example
@@ -506,3 +506,18 @@ def test_a_budget_that_two_examples_do_not_fit_is_refused_before_anything_is_wri
     assert not (tmp_path / "run").exists()
     run_train(recipe, "kto.loss_type=apo_zero_unpaired")
     assert records(tmp_path / "run")[0]["loss"] == pytest.approx(0.5, abs=1e-6)  # the adapter's B is 0 at step 1
+
+
+def test_a_resume_on_other_ranks_says_ktos_kl_estimate_is_another():
+    """Audit 57: a 1-process KTO run resumed on 2 was told only dropout's streams differ, but the KL term pairs each
+    rank's completions within its own micro-batch (its value at step 12: 0.0048 on 1 process, 0.0016 on 2, as an
+    uninterrupted 2-process run's): the note says so; SFT's is as before."""
+    from llmtrain.config import load_recipe
+    from llmtrain.loop.phases import ranks_note
+
+    kto = ranks_note(load_recipe(REPO / "recipes" / "tiny-kto.yaml"), 1, 2)
+    assert kto.endswith("do not replay the original run's, and KTO's KL estimate, taken over each rank's micro-batch, "
+                        "is another one (as on 2 ranks from the start).")
+    assert ranks_note(load_recipe(REPO / "recipes" / "tiny.yaml"), 2, 1) == (
+        "note: written by 2 data-parallel ranks, resumed on 1 (a tensor-parallel group is one rank): the same examples "
+        "per step, but per-rank random streams (dropout) do not replay the original run's.")

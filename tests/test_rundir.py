@@ -333,8 +333,9 @@ def test_llmtrain_launch_resumes_a_saved_recipe_from_any_directory(tiny_assets, 
     args = ["launch", "--config_file", "ddp.yaml", "--main_process_port", str(free_port), "../work/runs/x/recipe.yaml",
             "--resume", "../work/runs/x/checkpoints/step_000002", "--allow-recipe-change", "train.max_steps=3"]
     proc = _llmtrain(elsewhere, *args)  # 2 x 4 examples a micro-batch against the checkpoint's 4: said once, not twice
-    assert proc.returncode == 2 and proc.stderr.count("the checkpoint was written with micro_batch_size x processes "
-                                                      "= 4, this run has 4 x 2 = 8") == 1, proc.stderr[-3000:]
+    assert proc.returncode == 2 and proc.stderr.count("the checkpoint was written with micro_batch_size x "
+                                                      "data-parallel ranks = 4, this run has 4 x 2 = 8") == 1, \
+        proc.stderr[-3000:]
     proc = _llmtrain(elsewhere, *args, "train.micro_batch_size=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["step"] for r in records(work / "runs" / "x")] == [1, 2, 3] and not (elsewhere / "runs").exists()

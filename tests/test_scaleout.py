@@ -96,7 +96,7 @@ def test_resume_ddp_checkpoint_on_one_process(tiny_assets, tmp_path, free_port):
     shutil.rmtree(run / "final")
     # On 1 process, in this one: the old micro-batch would change the global batch, and is refused before anything is
     # written; the micro-batch that keeps it resumes.
-    with pytest.raises(LLMTrainError, match=r"micro_batch_size x processes = 4"):
+    with pytest.raises(LLMTrainError, match=r"micro_batch_size x data-parallel ranks = 4"):
         run_train(recipe, f"output_dir={run}", *common, resume="auto")
     run_train(recipe, f"output_dir={run}", "train.micro_batch_size=4", *common, resume="auto")
     assert f"resumed from {run / 'checkpoints' / 'step_000002'} at step 2" in (run / "train.log").read_text()

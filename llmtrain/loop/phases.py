@@ -720,11 +720,20 @@ def _restore_from(recipe: Recipe, accelerator, trainable: Trainable, state: Trai
             f"goes back on (or damaged), and {'are' if len(later) > 1 else 'is'} removed at this run's first "
             "checkpoint (or at its end), so that --resume auto continues this run")
     if state.processes != world:
-        # Each rank restores its own RNG file; with more ranks than saved, the new ones start from the seed.
-        say(f"note: written by {state.processes} data-parallel rank{'s' * (state.processes != 1)}, resumed on {world} "
-            "(a tensor-parallel group is one rank): the same examples per step, but per-rank random streams (dropout) "
-            "do not replay the original run's.")
+        say(ranks_note(recipe, state.processes, world))
         state.processes = world
+
+
+def ranks_note(recipe: Recipe, was: int, world: int) -> str:
+    """A resume on another number of data-parallel ranks: each rank restores its own RNG file (with more ranks than
+    saved, the new ones start from the seed); KTO's KL term pairs each rank's completions with another prompt of the
+    same rank's micro-batch, so its value depends on how the global batch is split, in an uninterrupted run too (the
+    note had said only dropout differs; audit 57)."""
+    return (f"note: written by {was} data-parallel rank{'s' * (was != 1)}, resumed on {world} (a tensor-parallel "
+            "group is one rank): the same examples per step, but per-rank random streams (dropout) do not replay the "
+            "original run's" + (", and KTO's KL estimate, taken over each rank's micro-batch, is another one (as on "
+                                 f"{world} rank{'s' * (world != 1)} from the start)" if recipe.kto is not None else "")
+            + ".")
 
 
 def open_log(recipe: Recipe, accelerator, state: TrainState, *, resumed: bool, notes: tuple[str, ...],

@@ -46,7 +46,13 @@ TRAINED = [*IDENTITY, *SCHEDULE, *OBJECTIVE, "train.micro_batch_size", "train.gr
            "model.new_tokens", "data.eval_split"]
 
 
-PATHS = ("model.name_or_path", "model.tokenizer", "data.path")  # a local file or folder, however written
+# Keys of a mode's section that change how the run computes its steps, or what it evaluates, not what it trains
+# (the same completions' distribution, losses and gradients): taken at resume without the flag, and said; a finished
+# run is complete whatever they are (they had been refused as "what it trains would differ"; audit 57).
+HOW = ["rl.num_generations_eval", "rl.sampler", "rl.merged_copy", "rl.micro_batch_tokens", "distill.sampler",
+       "distill.merged_copy"]
+
+PATHS = ("model.name_or_path", "model.tokenizer", "data.path", "distill.teacher")  # local, however written
 
 
 def _same(key: str, was, now) -> bool:
@@ -65,9 +71,21 @@ def _as_files(key: str, value):
 
     if key in PATHS:
         return resolved(value)
-    if key == "data.sources" and isinstance(value, list):
+    if key in ("data.sources", "rl.rewards") and isinstance(value, list):  # each source's, each reward model's
         return [{**s, "path": resolved(s.get("path"))} if isinstance(s, dict) else s for s in value]
     return value
+
+
+def _split_how(recipe: dict) -> tuple[dict, dict]:
+    """(the recipe without HOW's keys, {HOW key: its value})."""
+    import copy
+
+    out, how = copy.deepcopy(recipe), {}
+    for dotted in HOW:
+        section, leaf = dotted.split(".")
+        if isinstance(out.get(section), dict) and leaf in out[section]:
+            how[dotted] = out[section].pop(leaf)
+    return out, how
 
 
 def _get(d: dict, dotted: str):
@@ -104,8 +122,8 @@ def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_re
                  files: list[tuple[str, str]] | None = None) -> list[str]:
     """Refuse a resume that cannot work; return the notes of what changed (allowed schedule changes). `files`: the
     input files changed since the checkpoint (inputs_changed), as the main process's disk says; None: read here."""
-    saved = _recipe_of(ckpt / "recipe.yaml")
-    now = recipe.model_dump(mode="json")
+    (saved, saved_how), (now, now_how) = _split_how(_recipe_of(ckpt / "recipe.yaml")), _split_how(
+        recipe.model_dump(mode="json"))
     how = f"Resume with the recipe that wrote it ({ckpt / 'recipe.yaml'}), or start a new run in another output_dir."
     if (saved.get("lora") is None) != (now.get("lora") is None):
         kind = "LoRA" if saved.get("lora") is not None else "full fine-tuning"
@@ -182,23 +200,31 @@ def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_re
                    f"train.micro_batch_size {want} / ranks)")
             accum_was, accum = _get(saved, "train.grad_accum_steps") or 1, now["train"]["grad_accum_steps"]
             same_batch = (f" (with train.grad_accum_steps={accum_was}, as it was written: the global batch is the "
-                          "same, but micro_batch_size x processes fixes the order the rows are read in)"
+                          "same, but micro_batch_size x data-parallel ranks fixes the order the rows are read in)"
                           if accum != accum_was and mb * world * accum == (want or 0) * accum_was else "")
             raise LLMTrainError(
-                f"the checkpoint was written with micro_batch_size x processes = {want}, this run has {mb} x "
-                f"{world} = {mb * world}. {fix}{same_batch}.")
+                f"the checkpoint was written with micro_batch_size x data-parallel ranks = {want}, this run has "
+                f"{mb} x {world} = {mb * world}. {fix}{same_batch}.")
     changed = [(k, _get(saved, k), _get(now, k)) for k in SCHEDULE if _get(saved, k) != _get(now, k)]
-    changed += [c for key in OBJECTIVE for c in _leaves(saved, now, key) if c[0] not in SCHEDULE]
+    changed += [c for key in OBJECTIVE for c in _leaves(saved, now, key) if c[0] not in SCHEDULE and not _same(*c)]
     # A step is grad_accum_steps global micro-batches; by tokens, a global micro-batch is one bin per process.
     per_rank = bool(now["train"]["micro_batch_tokens"])
     before = (_get(saved, "train.grad_accum_steps") or 1) * (state.get("processes", world) if per_rank else 1)
     after = now["train"]["grad_accum_steps"] * (world if per_rank else 1)
     if before != after:
-        what = "token bins per step (train.grad_accum_steps x processes)" if per_rank else "train.grad_accum_steps"
+        what = ("token bins per step (train.grad_accum_steps x data-parallel ranks)" if per_rank else
+                "train.grad_accum_steps")
         changed.append((what, before, after))
     if changed and not allow_recipe_change:
         listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changed)
-        ended = _finished_after(ckpt)
+        ended, step = _finished_after(ckpt), int(state.get("step") or 0)
+        if _summary_steps(ckpt.parent.parent) == step and not any(k in SCHEDULE for k, _, _ in changed):
+            # the finished run's last checkpoint: no step is left to train with the new values (the flag had been
+            # advised, and then refused as "nothing is left to train"; audit 57)
+            raise LLMTrainError(f"this recipe changes {listed} against checkpoint {ckpt}, the last step of the run "
+                                f"in {ckpt.parent.parent}, which is complete: no step is left to train with the new "
+                                f"values. Raise train.max_steps above {step:,} (with --allow-recipe-change) to train "
+                                "it further with them, or start a new run in another output_dir; nothing was changed.")
         raise LLMTrainError(f"this recipe changes {listed} against checkpoint {ckpt}: the rest of the run (its "
                             "learning-rate curve, its length, what it trains) would differ from the run that "
                             + (f"wrote it (which went on from it to finish at step {ended:,}: final/ is that run's, "
@@ -219,6 +245,8 @@ def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_re
     drawn = {f"rl.{k}" for k in ("num_generations", "max_completion_tokens", *SAMPLING)}
     return [f"{k} changed from {a!r} to {b!r} at resume" + (within if k in drawn else "")
             for k, a, b in changed] + [
+        f"{k} changed from {saved_how.get(k)!r} to {now_how.get(k)!r} at resume (how the steps are computed or the "
+        "eval is drawn, not what is trained)" for k in HOW if saved_how.get(k) != now_how.get(k)] + [
         f"the files of {key} changed since the checkpoint ({what}), taken with --allow-recipe-change"
         for key, what in files]
 
@@ -367,16 +395,16 @@ def finished_run(out: Path, recipe: Recipe, *, allow_recipe_change: bool) -> dic
     summary_path, saved_path = out / "summary.json", out / "recipe.yaml"
     if not (summary_path.is_file() and saved_path.is_file()):
         return None
-    saved = _recipe_of(saved_path)
+    saved = _split_how(_recipe_of(saved_path))[0]
     if (_get(saved, "checkpoint.save_final") is not False or recipe.checkpoint.save_final) \
             and not (out / "final").is_dir():  # (final/ asked for now, where the run wrote none: not complete)
         return None
     # output_dir is `out` in both, however written (runs/x then /abs/runs/x: the finished run had been taken for
     # an interrupted one, and its refusal said so)
-    now = {**recipe.model_dump(mode="json"), "output_dir": saved.get("output_dir")}
-    if all(_same(k, _get(saved, k), _get(now, k)) for k in TRAINED):  # the same weights: logging, checkpoints, eval and
-        # layout change nothing of a finished run (any change had trained its last steps again and written final/
-        # over it; audit 55)
+    now = {**_split_how(recipe.model_dump(mode="json"))[0], "output_dir": saved.get("output_dir")}
+    if all(_same(*c) for k in TRAINED for c in _leaves(saved, now, k)):  # the same weights: logging, checkpoints,
+        # eval and layout change nothing of a finished run (any change had trained its last steps again and written
+        # final/ over it; audit 55)
         return json.loads(summary_path.read_text())
     changed = [k for k in SCHEDULE if _get(saved, k) != _get(now, k)]
     def without_changed(recipe: dict) -> dict:
