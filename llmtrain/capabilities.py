@@ -635,8 +635,12 @@ def causal_lm_class(config):
 def loaded_model_problems(recipe, model) -> list[str]:
     """attention_problems of a loaded model, with what its config does not say: whether its attention has sinks (a
     parameter named `sinks`: GPT-OSS, MiMo-V2-Flash). Asked once the model is built, before anything is written."""
-    sinks = any(n.rpartition(".")[2] == "sinks" for n, _ in model.named_parameters())
-    return attention_problems(recipe, model.config, sinks=True) if sinks else []
+    return attention_problems(recipe, model.config, sinks=True) if has_sinks(model) else []
+
+
+def has_sinks(model) -> bool:
+    """Whether a loaded model's attention has sinks (a parameter named `sinks`: GPT-OSS, MiMo-V2-Flash)."""
+    return any(n.rpartition(".")[2] == "sinks" for n, _ in model.named_parameters())
 
 
 def stored_quantization(config) -> str | None:
@@ -762,6 +766,14 @@ def tensor_plan(config) -> dict[str, str]:
     if not experts(config):  # a dense variant of a family with experts (Gemma 4's): their entries name nothing
         plan = {k: v for k, v in plan.items() if ".experts" not in k}
     return plan
+
+
+def tensor_plan_source(config) -> str:
+    """Whose tensor-parallel plan tensor_plan gives, for the start-up line: the family's (llmtrain's: GPT-OSS's own
+    splits only its embedding) or the model's own (the line had said "the model's own" for GPT-OSS; audit 58)."""
+    model_type = getattr(config, "model_type", None)
+    family = FAMILIES.get(model_type)
+    return f"llmtrain's plan for {model_type}" if family and family.tp_plan else "the model's own plan"
 
 
 def tensor_plan_problems(config, tp: int) -> list[str]:

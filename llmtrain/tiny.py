@@ -394,9 +394,11 @@ def prepare_tiny(out: Path, *, seed: int = 0, family: str = "llama") -> bool:
 
         near = difflib.get_close_matches(family, list(FAMILY_LAYERS), n=1, cutoff=0.6) or [
             k for k in FAMILY_LAYERS if k.startswith(family)][:1]
-        raise LLMTrainError(f"--family {family}: not a family llmtrain trains"
+        # (it had said "not a family llmtrain trains" of gemma3, whose checkpoints train as their text model; audit 58)
+        raise LLMTrainError(f"--family {family}: not a model_type prepare-tiny builds"
                             + (f" (did you mean {near[0]}?)" if near else "")
-                            + f"; use one of {', '.join(FAMILY_LAYERS)} (a model_type, as docs/models.md lists them)")
+                            + f"; use one of {', '.join(FAMILY_LAYERS)} (the text model's model_type of each family "
+                            "of docs/models.md's table)")
     if problem := cannot_create(out / "model", "prepare-tiny's folder"):  # also where `out` itself is a file
         raise LLMTrainError(problem)
     present = sorted(p.name for p in out.iterdir()) if out.is_dir() else []

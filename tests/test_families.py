@@ -554,6 +554,19 @@ def test_gemma_4_grpo_samples_and_trains_on_two_stages_as_one_process(models, ti
                         load_weights(tmp_path / "one" / "final" / name)) < 1e-4
 
 
+def test_experts_lora_does_not_reach_are_counted_against_the_bases_weights(models, tiny_assets, tmp_path, capsys):
+    """GPT-OSS's experts, which all-linear does not reach: the note counted them against every weight, the adapters
+    included, where the 4-bit warning counts the base's (audit 58: 49,152 of 96,464 and of 89,296)."""
+    from safetensors.torch import load_file
+
+    recipe = write_recipe(tiny_assets, tmp_path, model={"name_or_path": str(models["gpt_oss"])},
+                          lora={"r": 4, "alpha": 8, "dropout": 0.0}, data={"eval_split": None}, train={"max_steps": 1})
+    run_train(recipe)
+    base = sum(t.numel() for t in load_file(models["gpt_oss"] / "model.safetensors").values())
+    assert f"of the base's {base:,} weights) are 3-D parameters that lora.target_modules does not reach" in \
+        capsys.readouterr().out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family, lora", [pytest.param("qwen3_moe", True, marks=pytest.mark.extended),
                                           pytest.param("qwen3_moe", False, marks=pytest.mark.extended),
@@ -952,8 +965,9 @@ def test_prepare_tiny_writes_each_familys_layer_for_the_same_task_and_it_trains(
         tokenizer = "model/tokenizer.json"
         assert (out / tokenizer).read_bytes() == (tiny_assets / tokenizer).read_bytes()
     proc = invoke("prepare-tiny", str(tmp_path / "nope"), "--family", "llama4", check=False)
-    assert proc.returncode == 2 and "--family llama4: not a family llmtrain trains (did you mean llama?); use one of " \
-        "llama, mistral" in " ".join((proc.stdout + (proc.stderr or "")).split()) and not (tmp_path / "nope").exists()
+    assert proc.returncode == 2 and "--family llama4: not a model_type prepare-tiny builds (did you mean llama?); " \
+        "use one of llama, mistral" in " ".join((proc.stdout + (proc.stderr or "")).split()) and \
+        not (tmp_path / "nope").exists()
     # the model_type's name, not the family's (it had got no suggestion; audit 11)
     proc = invoke("prepare-tiny", str(tmp_path / "nope"), "--family", "gemma3", check=False)
     assert proc.returncode == 2 and "(did you mean gemma3_text?)" in (proc.stdout + (proc.stderr or ""))

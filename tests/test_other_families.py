@@ -570,3 +570,21 @@ def test_the_decoder_layers_are_found_where_a_decoder_nests_them():
         "opt", hidden_size=32, num_attention_heads=4, num_hidden_layers=2, ffn_dim=64, vocab_size=97,
         word_embed_proj_dim=32, max_position_embeddings=64))
     assert decoder_layers(opt) is opt.model.decoder.layers
+
+
+def test_the_start_up_line_names_the_attention_and_the_tensor_plan_that_run():
+    """Audit 58: GPT-OSS's varlen attention was said to be "SDPA per example" (its sinks take an explicit softmax per
+    example off CUDA, a rescaled flash kernel on it), eager attention "a packed row gets a block-diagonal mask" where no
+    row is packed, and GPT-OSS's tensor parallelism "the model's own plan" (llmtrain's: its own splits only the
+    embedding)."""
+    from llmtrain.config import ModelConfig
+    from llmtrain.model.modeling import describe_attention
+
+    auto, eager = (ModelConfig(name_or_path="unused", attn_implementation=a) for a in ("auto", "eager"))
+    assert describe_attention(eager, packed=False) == "eager (transformers; each example a padded row)"
+    assert describe_attention(eager, packed=True) == "eager (transformers; a packed row gets a block-diagonal mask)"
+    assert describe_attention(auto, packed=True) == "varlen (SDPA per example, cost sum of l_i^2) [auto]"
+    assert describe_attention(auto, packed=True, sinks=True) == \
+        "varlen (a softmax with the sinks per example, cost sum of l_i^2) [auto]"
+    assert capabilities.tensor_plan_source(config("gpt_oss")) == "llmtrain's plan for gpt_oss"
+    assert capabilities.tensor_plan_source(SimpleNamespace(model_type="llama")) == "the model's own plan"

@@ -26,7 +26,7 @@ import torch
 
 from llmtrain import capabilities
 from llmtrain.config import Recipe, tiled_mlp_shard, updates_per_window
-from llmtrain.data.batching import DataPlan
+from llmtrain.data.batching import DataPlan, packs_rows
 from llmtrain.data.chat import data_tokenizer
 from llmtrain.data.checks import check_context, check_data, check_epochs, check_warmup, data_plan, trained_text
 from llmtrain.data.checks import total_steps as count_steps
@@ -421,11 +421,13 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
             f"{Layout.from_environment(recipe).each_holds()}. The base takes that "
             "much more memory than a 4-bit one would; LoRA trains as asked")
     if recipe.lora is not None and (unadapted := unadapted_experts(model))[0]:
-        say(f"note (lora): this {model.config.model_type} model's experts ({unadapted[0]:,} of its {n_total:,} "
-            "weights) are 3-D parameters that lora.target_modules does not reach, so LoRA adapts its other layers "
-            f"only; lora.target_parameters: [{', '.join(unadapted[1])}] adapts them too (with lora.dropout: 0)")
+        say(f"note (lora): this {model.config.model_type} model's experts ({unadapted[0]:,} of the base's "
+            f"{n_total - n_trainable:,} weights) are 3-D parameters that lora.target_modules does not reach, so LoRA "
+            f"adapts its other layers only; lora.target_parameters: [{', '.join(unadapted[1])}] adapts them too "
+            "(with lora.dropout: 0)")
+    attention = describe_attention(recipe.model, packed=packs_rows(recipe), sinks=capabilities.has_sinks(model))
     say(f"model: {n_total:,} parameters, {n_trainable:,} trainable ({method}); "
-        f"attention: {describe_attention(recipe.model)}{'; liger kernels' if fused_ce else ''}"
+        f"attention: {attention}{'; liger kernels' if fused_ce else ''}"
         + memory_line(recipe.model, model.config, accelerator.device.type)
         + (f"; NEFTune noise on the input embeddings in training (alpha {tc.neftune_alpha:g})"
            if tc.neftune_alpha is not None else "")

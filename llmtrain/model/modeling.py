@@ -489,13 +489,19 @@ def attention_backend(cfg: ModelConfig) -> str:
     return cfg.attn_implementation
 
 
-def describe_attention(cfg: ModelConfig) -> str:
-    """What the start-up line says about attention."""
+def describe_attention(cfg: ModelConfig, *, packed: bool, sinks: bool = False) -> str:
+    """What the start-up line says about attention. `packed`: micro-batches are packed rows (batching.packs_rows);
+    `sinks`: the model's attention has sinks (GPT-OSS's), which the varlen attention computes with an explicit softmax
+    per example where flash varlen_attn does not run (the line had said SDPA, and a packed row's mask where none was
+    packed; audit 58)."""
     from llmtrain.model import attention
 
     if not cfg.varlen:
-        return f"{cfg.attn_implementation} (transformers; a packed row gets a block-diagonal mask)"
-    kernel = "flash varlen_attn in bf16/fp16" if attention.varlen_available() else "SDPA per example"
+        rows = "a packed row gets a block-diagonal mask" if packed else "each example a padded row"
+        return f"{cfg.attn_implementation} (transformers; {rows})"
+    kernel = ("flash varlen_attn in bf16/fp16" + (", rescaled by the sinks" if sinks else "")
+              if attention.varlen_available() else
+              "a softmax with the sinks per example" if sinks else "SDPA per example")
     return f"varlen ({kernel}, cost sum of l_i^2){' [auto]' if cfg.attn_implementation == 'auto' else ''}"
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmtrain import capabilities
-from llmtrain.capabilities import experts_held
+from llmtrain.capabilities import experts_held, tensor_plan_source
 from llmtrain.config import Recipe
 from llmtrain.model.modeling import compile_layers
 from llmtrain.parallel.fsdp import head_in_fp32, prepared_for_fsdp, uses_fsdp
@@ -47,7 +47,8 @@ def parallelize(model, recipe: Recipe, accelerator, *, make_optimizer, pad_id: i
         layers, experts = apply_tensor_parallel(model, accelerator.torch_device_mesh["tp"])
         held = f", and {experts} layers' experts split by expert ({experts_held(model.config, tp)})" if experts else ""
         say(f"tensor parallelism: {layers} linear layers split over {tp} processes{held} "
-            f"(PyTorch parallelize_module, the model's own plan)")
+            f"(PyTorch parallelize_module, {tensor_plan_source(model.config)}"
+            f"{'; the experts by llmtrain' if experts else ''})")
     if (sp := recipe.parallel.sequence_parallel) > 1:
         sequence_attention.attach(model, size=sp, group=groups(accelerator).sequence.group)
         say(describe_sequence(sp, accelerator.num_processes))
