@@ -17,7 +17,7 @@ from helpers import REPO, cli, crash_at_step, launch_finetune, load_weights, max
 from llmtrain.config import DataConfig, RewardModelConfig
 from llmtrain.data.pairs import encode_pair
 from llmtrain.errors import LLMTrainError, RecipeError
-from llmtrain.model.score import attach_score, scored_position, sequence_scores
+from llmtrain.model.score import MODEL_INPUTS, attach_score, scored_position, sequence_scores
 from llmtrain.objectives.reward_model import RewardModel
 
 PAIRS = [
@@ -123,6 +123,9 @@ def test_the_score_is_the_last_non_pad_tokens_packed_or_padded(tiny_assets, tiny
                                     score_pad_id=tiny_tok.pad_token_id, packing=packing, margin=False)
             scores = sequence_scores(model, objective.collate(rows)[0])
             assert scores.tolist() == pytest.approx(alone.tolist(), abs=1e-5)
+            # no view as the module's output: FSDP2 warned of wrong gradients on every process and step (audit 57)
+            assert model(**{k: v for k, v in objective.collate(rows)[0].items() if k in MODEL_INPUTS}
+                         )["scores"]._base is None
     eos = tiny_tok.eos_token_id
     assert scored_position([1, 5, 6, eos], tiny_tok.pad_token_id) == 3
     assert scored_position([1, 5, 6, eos, eos], eos) == 2

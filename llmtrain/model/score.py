@@ -54,7 +54,9 @@ def attach_score(model) -> None:
         kwargs.pop("labels", None)  # peft passes labels=None through
         kwargs.pop("use_cache", None)
         hidden = self.model(*args, use_cache=False, **kwargs).last_hidden_state.flatten(0, 1)
-        return {"scores": self.score(hidden[score_index]).float().squeeze(-1)}
+        # sum over the one output, not squeeze: a view as the module's output makes FSDP2 warn, on every process and
+        # step, of wrong gradients should an in-place op follow (none does; audit 57). The same values, exactly.
+        return {"scores": self.score(hidden[score_index]).float().sum(-1)}
 
     seq_cls.forward = types.MethodType(forward, seq_cls)
 
