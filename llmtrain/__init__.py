@@ -28,8 +28,12 @@ class _TiedHeadSaved(_logging.Filter):
     Gemma 3, Llama 3.2), that reloading gives no warning: llmtrain saves the tied weight once itself (run/export.
     tied_once) and its tests reload it (audit 58)."""
 
-    def filter(self, record: _logging.LogRecord) -> bool:
-        return "Removed shared tensor" not in record.getMessage()
+    def filter(self, record: _logging.LogRecord) -> bool:  # kept for any other shared tensor: a reload may not tie it
+        import re
+
+        said = re.search(r"Removed shared tensor \{(.*?)\} while saving", record.getMessage())
+        names = re.findall(r"'([^']+)'", said.group(1)) if said else []
+        return not names or not all(n.endswith(("lm_head.weight", "embed_tokens.weight")) for n in names)
 
 
 _logging.getLogger("accelerate.utils.other").addFilter(_TiedHeadSaved())

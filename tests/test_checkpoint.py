@@ -551,6 +551,36 @@ def test_a_change_of_what_a_finished_run_trains_at_its_last_checkpoint_says_no_s
                             "with them, or start a new run in another output_dir; nothing was changed.")
 
 
+def test_a_finished_runs_schedule_change_with_no_step_left_and_eval_files_are_said_as_such(tmp_path, monkeypatch):
+    """Review of audit 57's fixes: train.lr changed on a finished run whose newest checkpoint is its last step was told
+    to add --allow-recipe-change, which then met "nothing is left to train"; an eval file rewritten was refused as
+    training rows; a chat template or eval file written otherwise (./x for x) was another path."""
+    from llmtrain.run.preflight import check_resume, finished_run
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "chat.jinja").write_text("{{ messages }}")
+    (tmp_path / "eval.jsonl").write_text("{}\n")
+    tiny = REPO / "recipes" / "tiny.yaml"
+    written = load_recipe(tiny, ["train.max_steps=4", "data.chat_template=chat.jinja", "data.eval_split=eval.jsonl"])
+    ckpt = _written(tmp_path / "r" / "checkpoints" / "step_000004", written, 4)
+    run = tmp_path / "r"
+    (run / "final").mkdir()
+    (run / "recipe.yaml").write_text(written.to_yaml())
+    (run / "summary.json").write_text(json.dumps({"steps": 4}))
+    same = load_recipe(tiny, ["train.max_steps=4", "data.chat_template=./chat.jinja", "data.eval_split=./eval.jsonl"])
+    assert finished_run(run, same, allow_recipe_change=False) == {"steps": 4}
+    assert check_resume(ckpt, same, world=1, fsdp=False, allow_recipe_change=False, files=[]) == []
+    with pytest.raises(LLMTrainError, match=r"its newest checkpoint is at step 4, so no step is left to train with "
+                                            r"the new values. Raise train.max_steps above 4 \(with "
+                                            r"--allow-recipe-change\)"):
+        finished_run(run, load_recipe(tiny, ["train.max_steps=4", "train.lr=1e-4", "data.chat_template=chat.jinja",
+                                             "data.eval_split=eval.jsonl"]), allow_recipe_change=False)
+    with pytest.raises(LLMTrainError, match=r"the eval files have changed since checkpoint .*: the run's eval lines "
+                                            r"after the resume would not compare with those before it"):
+        check_resume(ckpt, same, world=1, fsdp=False, allow_recipe_change=False,
+                     files=[("data.eval_split", "eval.jsonl rewritten")])
+
+
 def test_resume_auto_without_checkpoint_starts_from_zero(tiny_assets, tmp_path):
     """--resume auto on an empty output_dir (a job's first start under a requeue script) just trains."""
     recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 2})

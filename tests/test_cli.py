@@ -278,7 +278,10 @@ def test_library_notes_with_nothing_for_the_user_to_do_are_not_shown(caplog):
             "[RANK 0] Removed shared tensor {'lm_head.weight'} while saving. This should be OK, but check by verifying "
             "that you don't receive any warning while reloading")
         logging.getLogger("accelerate.utils.other").warning("another of accelerate's warnings")
+        logging.getLogger("accelerate.utils.other").warning(  # another shared tensor: a reload may not tie it back
+            "[RANK 0] Removed shared tensor {'model.layers.0.mlp.up_proj.weight'} while saving. This should be OK")
         logging.getLogger("kernels._internals.hf_hub").warning(
             "Skipping publisher trust check for 'kernels-community/quantization-bitsandbytes' because Hugging Face "
             "Hub is in offline mode.")
-    assert [r.getMessage() for r in caplog.records] == ["another of accelerate's warnings"]
+    assert [r.getMessage()[:40] for r in caplog.records] == ["another of accelerate's warnings",
+                                                           "[RANK 0] Removed shared tensor {'model.l"]

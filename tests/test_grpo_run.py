@@ -1166,6 +1166,41 @@ def test_a_reward_function_that_fails_mid_run_names_the_step_and_the_checkpoint_
     assert [d.name for d in (out / "checkpoints").iterdir()] == ["step_000002"]
 
 
+def test_an_eval_a_stop_cut_short_scores_at_its_own_step_when_the_resume_runs_it(tiny_assets, tmp_path, monkeypatch):
+    """A stop during step 2's eval cuts it (the checkpoint owes it); the resumed run evaluates step 2 first, and the
+    reward functions see global_step 2 there, as in the uninterrupted run (0 before any step: the rollout sets it).
+    The reward is the step it sees, so the eval lines show it."""
+    import signal as signals
+
+    import llmtrain.loop.train as loop
+    from llmtrain.errors import Stopped
+
+    (tmp_path / "step_rewards.py").write_text(
+        "def step(prompts, completions, trainer_state, **kwargs):\n"
+        "    return [float(trainer_state.global_step)] * len(completions)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    recipe = grpo_recipe(tiny_assets, tmp_path, rl={"rewards": [{"type": "function", "function": "step_rewards:step"}]},
+                         train={"eval_every_steps": 2, "eval_batch_size": 2, "eval_samples": 0},
+                         checkpoint={"every_steps": 4})
+    run_train(recipe, f"output_dir={tmp_path / 'full'}")
+    real, calls = loop.evaluate, []
+
+    def signalled(*args, **kwargs):  # the eval at step 2 (the step-0 eval first): signalled as it starts
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signals.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "evaluate", signalled)
+    with pytest.raises(Stopped, match="SIGTERM at step 2"):
+        run_train(recipe)
+    monkeypatch.setattr(loop, "evaluate", real)
+    run_train(recipe, resume="auto")
+    evals = [(e["step"], e["eval_reward"]) for e in records(tmp_path / "run", "eval")]
+    assert evals == [(e["step"], e["eval_reward"]) for e in records(tmp_path / "full", "eval")] == \
+        [(0, 0.0), (2, 2.0), (4, 4.0)]
+
+
 @pytest.mark.parametrize("reward, says", [
     ({"type": "answer_match", "column": "solution"},
      "answer_match compares with the column 'solution', which the data does not have"),

@@ -608,7 +608,8 @@ def test_a_model_estimate_refuses_the_attention_its_training_refuses():
     refused = invoke("estimate-memory", "--model", "gpt-oss-20b", "--attn", "sdpa", check=False)
     said = " ".join((refused.stdout + refused.stderr).split())
     assert refused.returncode == 2 and "gpt-oss-20b would be refused with these options (--attn is " \
-        "model.attn_implementation, --packing data.packing), so there is no run to estimate: " \
+        "model.attn_implementation, --packing data.packing, --micro-batch-tokens train.micro_batch_tokens), so " \
+        "there is no run to estimate: " \
         "model.attn_implementation=sdpa: transformers has no sdpa attention for gpt_oss" in said
     assert "Traceback" not in said
     assert "varlen (auto) attention" in " ".join(invoke("estimate-memory", "--model", "gpt-oss-20b", "--method",

@@ -572,15 +572,20 @@ def test_the_decoder_layers_are_found_where_a_decoder_nests_them():
     assert decoder_layers(opt) is opt.model.decoder.layers
 
 
-def test_the_start_up_line_names_the_attention_and_the_tensor_plan_that_run():
+def test_the_start_up_line_names_the_attention_and_the_tensor_plan_that_run(monkeypatch):
     """Audit 58: GPT-OSS's varlen attention was said to be "SDPA per example" (its sinks take an explicit softmax per
     example off CUDA, a rescaled flash kernel on it), eager attention "a packed row gets a block-diagonal mask" where no
     row is packed, and GPT-OSS's tensor parallelism "the model's own plan" (llmtrain's: its own splits only the
     embedding)."""
     from llmtrain.config import ModelConfig
+    from llmtrain.model import attention
     from llmtrain.model.modeling import describe_attention
 
     auto, eager = (ModelConfig(name_or_path="unused", attn_implementation=a) for a in ("auto", "eager"))
+    monkeypatch.setattr(attention, "varlen_available", lambda: True)  # CUDA's flash kernel, rescaled by the sinks
+    assert describe_attention(auto, packed=True, sinks=True) == \
+        "varlen (flash varlen_attn in bf16/fp16, rescaled by the sinks, cost sum of l_i^2) [auto]"
+    monkeypatch.setattr(attention, "varlen_available", lambda: False)  # elsewhere
     assert describe_attention(eager, packed=False) == "eager (transformers; each example a padded row)"
     assert describe_attention(eager, packed=True) == "eager (transformers; a packed row gets a block-diagonal mask)"
     assert describe_attention(auto, packed=True) == "varlen (SDPA per example, cost sum of l_i^2) [auto]"
@@ -588,3 +593,18 @@ def test_the_start_up_line_names_the_attention_and_the_tensor_plan_that_run():
         "varlen (a softmax with the sinks per example, cost sum of l_i^2) [auto]"
     assert capabilities.tensor_plan_source(config("gpt_oss")) == "llmtrain's plan for gpt_oss"
     assert capabilities.tensor_plan_source(SimpleNamespace(model_type="llama")) == "the model's own plan"
+
+
+def test_the_estimate_of_a_model_refuses_gpt_oss_packed_under_eager_as_training_does(tmp_path):
+    """Review of audit 58's fix: estimate-memory --model skipped the sinks rule, so GPT-OSS packed under eager (a
+    token budget, or --packing) was estimated, a run training refuses."""
+    from llmtrain.errors import LLMTrainError
+    from llmtrain.memory.cli import _check_attention
+
+    config("gpt_oss").save_pretrained(tmp_path)
+    spec = SimpleNamespace(attn_implementation="eager", packing=False, micro_batch_tokens=512)
+    with pytest.raises(LLMTrainError, match=r"train.micro_batch_tokens=512 \(a token budget packs every micro-batch\) "
+                                            r"with model.attn_implementation=eager: gpt_oss's attention has sinks"):
+        _check_attention(str(tmp_path), spec)
+    _check_attention(str(tmp_path), SimpleNamespace(attn_implementation="eager", packing=False,
+                                                    micro_batch_tokens=None))  # padded rows: as training takes them

@@ -420,6 +420,13 @@ def test_a_stop_during_an_eval_ends_it_at_its_next_batch_and_the_resume_evaluate
     assert "step 3's eval is cut short by the stop: the resumed run evaluates step 3 first" in capsys.readouterr().out
     assert _steps_on_disk(run) == [3] and records(run, "eval") == []  # a save at the eval's step, no eval line
     assert json.loads((run / "checkpoints" / "step_000003" / "train_state.json").read_text())["eval_owed"] is True
+    # stopped again during the owed eval (a job requeued and preempted again): cut too, the checkpoint still owing it
+    begun.clear()
+    with pytest.raises(Stopped, match=r"SIGTERM during step 3's eval, which the checkpoint owes: nothing was trained "
+                                      r"or saved since it"):
+        run_train(recipe, resume="auto")
+    assert [done for done, _ in begun] == [0, 1] and _steps_on_disk(run) == [3] and records(run, "eval") == []
+    assert json.loads((run / "checkpoints" / "step_000003" / "train_state.json").read_text())["eval_owed"] is True
     monkeypatch.setattr(loop, "evaluate", real)
     summary = run_train(recipe, resume="auto")
     assert records(run, "eval") == records(tmp_path / "full", "eval") and [e["step"] for e in records(run, "eval")] \

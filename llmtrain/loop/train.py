@@ -227,8 +227,18 @@ def train_loop(run: Run, state: TrainState, meter: Meter) -> None:
             with meter.paused():
                 evals.append(evaluate_and_sample(run, state, progress))
         if state.eval_owed and run.data.eval is not None:  # the checkpoint's step's eval, which a stop had cut short
-            with meter.paused():
-                evals.append(evaluate_and_sample(run, state, progress))
+            if getattr(run.objective, "state", None) is not None:  # reward functions see the step it evaluates (the
+                # rollout sets it otherwise: 0 before the first step)
+                run.objective.state.global_step = state.step
+                run.objective.state.epoch = float(state.epoch - (state.micro_in_epoch == 0 and state.epoch > 0))
+            with meter.paused():  # a stop cuts it too (it is still owed: the checkpoint is as it was)
+                owed = evaluate_and_sample(run, state, progress, stop=stop_requests)
+            if owed is None:
+                signum = stop_requests.signum or signal.SIGTERM
+                raise Stopped(f"{signal.Signals(signum).name} during step {state.step}'s eval, which the checkpoint "
+                              f"owes: nothing was trained or saved since it. Continue with: {resume_command(run)}.",
+                              signum)
+            evals.append(owed)
         state.eval_owed = False
         # a new window a step; online RL with rl.num_iterations > 1: a new one a round, its later steps the round's
         for window in run.rounds.windows(stream, step=state.step, total=total):

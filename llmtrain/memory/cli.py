@@ -380,7 +380,8 @@ def _check_attention(model: str, spec) -> None:
     run = SimpleNamespace(model=ModelConfig(name_or_path=str(model), attn_implementation=spec.attn_implementation),
                           data=SimpleNamespace(packing=spec.packing),
                           train=SimpleNamespace(micro_batch_tokens=spec.micro_batch_tokens))
-    if found := capabilities.attention_problems(run, config):
+    if found := capabilities.attention_problems(run, config,
+                                                sinks=getattr(config, "model_type", None) in capabilities.SINKS):
         raise LLMTrainError(f"{model} would be refused with these options (--attn is model.attn_implementation, "
                             "--packing data.packing, --micro-batch-tokens train.micro_batch_tokens), so there is "
                             "no run to estimate: " + capabilities.paragraph(found))

@@ -17,7 +17,7 @@ from llmtrain.capabilities import MODES, SECTIONS, mode_of, section_of
 from llmtrain.config import SAMPLING, Recipe
 from llmtrain.data.sources import is_split_name
 from llmtrain.errors import LLMTrainError
-from llmtrain.run.checkpoint import FSDP_MODEL_DIR
+from llmtrain.run.checkpoint import FSDP_MODEL_DIR, step_dirs
 from llmtrain.run.rundir import finished_without_checkpoint, has_checkpoints
 from llmtrain.run.state import position_problem
 
@@ -49,10 +49,12 @@ TRAINED = [*IDENTITY, *SCHEDULE, *OBJECTIVE, "train.micro_batch_size", "train.gr
 # Keys of a mode's section that change how the run computes its steps, or what it evaluates, not what it trains
 # (the same completions' distribution, losses and gradients): taken at resume without the flag, and said; a finished
 # run is complete whatever they are (they had been refused as "what it trains would differ"; audit 57).
-HOW = ["rl.num_generations_eval", "rl.sampler", "rl.merged_copy", "rl.micro_batch_tokens", "distill.sampler",
-       "distill.merged_copy"]
+# (Not merged_copy: a 16-bit merged copy is not the trained policy, and its samples differ: docs/rl.md.)
+HOW = ["rl.num_generations_eval", "rl.sampler", "rl.micro_batch_tokens", "distill.sampler"]
 
-PATHS = ("model.name_or_path", "model.tokenizer", "data.path", "distill.teacher")  # local, however written
+# a local file or folder, however written (a split's name, a fraction or a bool is left as it is)
+PATHS = ("model.name_or_path", "model.tokenizer", "data.path", "data.eval_split", "data.chat_template",
+         "distill.teacher")
 
 
 def _same(key: str, was, now) -> bool:
@@ -67,12 +69,16 @@ def _as_files(key: str, value):
     def resolved(v):
         if isinstance(v, list):
             return [resolved(x) for x in v]
-        return str(Path(v).resolve()) if isinstance(v, str) and Path(v).exists() else v
+        try:
+            return str(Path(v).resolve()) if isinstance(v, str) and Path(v).exists() else v
+        except OSError:  # (a name too long to be a path)
+            return v
 
     if key in PATHS:
         return resolved(value)
     if key in ("data.sources", "rl.rewards") and isinstance(value, list):  # each source's, each reward model's
-        return [{**s, "path": resolved(s.get("path"))} if isinstance(s, dict) else s for s in value]
+        return [{**s, "path": resolved(s.get("path")), **({"eval_split": resolved(s["eval_split"])} if isinstance(
+            s, dict) and "eval_split" in s else {})} if isinstance(s, dict) else s for s in value]
     return value
 
 
@@ -185,6 +191,10 @@ def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_re
     files = inputs_changed(ckpt, recipe) if files is None else files
     if files and not allow_recipe_change:
         listed = "; ".join(f"{key}: {what}" for key, what in files)
+        if all(key.endswith("eval_split") for key, _ in files):  # (said as training rows had been; review 122)
+            raise LLMTrainError(f"the eval files have changed since checkpoint {ckpt} was written ({listed}): the "
+                                "run's eval lines after the resume would not compare with those before it. Put the "
+                                "files back, or resume with --allow-recipe-change to evaluate on these (said).")
         raise LLMTrainError(f"the files this run trains from have changed since checkpoint {ckpt} was written ("
                             f"{listed}): resuming would go on with other weights or other rows under the "
                             "checkpoint's place in them. Put the files back, or start a new run in another "
@@ -415,6 +425,13 @@ def finished_run(out: Path, recipe: Recipe, *, allow_recipe_change: bool) -> dic
         raise LLMTrainError(finished_without_checkpoint(out, "auto"))
     if changed and same_otherwise and not allow_recipe_change:
         listed = ", ".join(f"{k} {_get(saved, k)!r} -> {_get(now, k)!r}" for k in changed)
+        newest = int(step_dirs(out / "checkpoints")[-1].name.removeprefix("step_"))
+        if isinstance(steps := _get(now, "train.max_steps"), int) and steps <= newest:  # the flag would meet "nothing
+            # is left to train" (check_steps_left): said now (review of audit 57)
+            raise LLMTrainError(f"the run in {out} is complete, and this recipe changes {listed}: its newest "
+                                f"checkpoint is at step {newest:,}, so no step is left to train with the new values. "
+                                f"Raise train.max_steps above {newest:,} (with --allow-recipe-change) to train it "
+                                "further with them, or start a new run in another output_dir; nothing was changed.")
         raise LLMTrainError(f"the run in {out} is complete, and this recipe changes {listed}. To train it further "
                             "from its newest checkpoint with the new values, add --allow-recipe-change; nothing was "
                             "changed.")
