@@ -417,7 +417,9 @@ def test_a_stop_during_an_eval_ends_it_at_its_next_batch_and_the_resume_evaluate
         run_train(recipe)
     run = tmp_path / "run"
     assert [done for done, _ in begun] == [0, 1] and begun[0][1] > 2  # it had evaluated every batch
-    assert "step 3's eval is cut short by the stop: the resumed run evaluates step 3 first" in capsys.readouterr().out
+    said = capsys.readouterr()
+    assert "step 3's eval is cut short by the stop: the resumed run evaluates step 3 first" in said.out
+    assert "SIGTERM: finishing this step (an eval: its batch), then saving a checkpoint and stopping." in said.err
     assert _steps_on_disk(run) == [3] and records(run, "eval") == []  # a save at the eval's step, no eval line
     assert json.loads((run / "checkpoints" / "step_000003" / "train_state.json").read_text())["eval_owed"] is True
     # stopped again during the owed eval (a job requeued and preempted again): cut too, the checkpoint still owing it

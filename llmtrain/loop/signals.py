@@ -21,7 +21,8 @@ class StopRequests:
     """Context manager that records SIGTERM / SIGINT instead of dying; `signum` is 0 until one arrives. `doing`: what
     the process does before it stops, said when the signal arrives."""
 
-    def __init__(self, doing: str = "finishing this step, then saving a checkpoint and stopping") -> None:
+    def __init__(self, doing: str = "finishing this step (an eval: its batch), then saving a checkpoint and "
+                 "stopping") -> None:
         self.signum = 0
         self.doing = doing
         self._previous: dict[int, object] = {}
