@@ -245,13 +245,15 @@ def test_the_launch_named_to_resume_a_checkpoint_counts_every_process_it_ran_on(
     from llmtrain.run.preflight import resume_launch
 
     recipe = yaml.safe_load(write_recipe(tiny_assets, tmp_path).read_text())
-    for parallel, ranks, sharded, said in [({}, 1, False, "llmtrain finetune"),
-                                           ({}, 2, False, "cpu_ddp.yaml --num_processes 2 "),
-                                           ({"sequence_parallel": 2}, 1, False, "cpu_ddp.yaml --num_processes 2 "),
-                                           ({"pipeline_parallel": 2}, 2, True, "cpu_fsdp.yaml --num_processes 4 ")]:
-        ckpt = tmp_path / f"ckpt-{len(said)}-{ranks}"
+    # a tensor-parallel run's: its TP config and every process (it had been named FSDP's with its data ranks; audit 57)
+    for parallel, ranks, sharded, said, tp in [
+            ({}, 1, False, "llmtrain finetune", 1), ({}, 2, False, "cpu_ddp.yaml --num_processes 2 ", 1),
+            ({"sequence_parallel": 2}, 1, False, "cpu_ddp.yaml --num_processes 2 ", 1),
+            ({"pipeline_parallel": 2}, 2, True, "cpu_fsdp.yaml --num_processes 4 ", 1),
+            ({}, 2, True, "cpu_tp.yaml --num_processes 4 ", 2)]:
+        ckpt = tmp_path / f"ckpt-{len(said)}-{ranks}-{tp}"
         (ckpt / "pytorch_model_fsdp_0").mkdir(parents=True) if sharded else ckpt.mkdir()
-        (ckpt / "train_state.json").write_text(json.dumps({"processes": ranks}))
+        (ckpt / "train_state.json").write_text(json.dumps({"processes": ranks, "tensor_parallel": tp}))
         (ckpt / "recipe.yaml").write_text(yaml.safe_dump({**recipe, "parallel": parallel}))
         assert said in resume_launch(ckpt) and f"{ckpt}/recipe.yaml --resume {ckpt}`" in resume_launch(ckpt)
 

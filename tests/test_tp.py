@@ -23,6 +23,7 @@ Four processes on two cores are slow: these tests are few and small, and marked 
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -163,6 +164,8 @@ def test_lora_under_fsdp_x_tp_trains_like_one_process_and_resumes_on_one(tiny_as
     _launch(recipe, free_port, 4, f"output_dir={tp}")
     assert_same_steps(tp, single, tol=1e-6)
     assert losses(tp) == pytest.approx(losses(single), abs=1e-6) and losses(tp)[-1] < losses(tp)[0]
+    # the degree it was written under, for the launch a refused resume names (preflight.resume_launch; audit 57)
+    assert json.loads((tp / "checkpoints" / "step_000004" / "train_state.json").read_text())["tensor_parallel"] == 2
     name = "adapter_model.safetensors"
     a, b = load_weights(tp / "final" / name), load_weights(single / "final" / name)
     assert a.keys() == b.keys() and any("lora_A" in k for k in a) and max_abs_diff(a, b) < 1e-6

@@ -697,8 +697,9 @@ def restore(recipe: Recipe, accelerator, trainable: Trainable, *, checkpoint: Pa
     accelerator.register_for_checkpointing(trainable.scheduler, state, *getattr(objective, "checkpointed", ()))
     if checkpoint is not None:
         _restore_from(recipe, accelerator, trainable, state, checkpoint, say=say)
-    # what this run trains from now, saved with its checkpoints (train_state.json: the main process's)
+    # what this run trains from now, saved with its checkpoints (train_state.json: the main process's), and on
     state.inputs = input_files(recipe) if accelerator.is_main_process else {}
+    state.tensor_parallel = tensor_parallel_size(accelerator)
     return state
 
 

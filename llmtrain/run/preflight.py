@@ -175,11 +175,12 @@ def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_re
                             f"the eval could hold rows it trained on). Set data.eval_split={was!r} to resume it. {how}")
     sharded = (ckpt / FSDP_MODEL_DIR).is_dir()
     if sharded != fsdp and not (ckpt / "pipeline").is_dir():  # a pipeline's stage files are whole, FSDP or not
+        unknown = sharded and "tensor_parallel" not in _state(ckpt)  # (a checkpoint written before it was recorded)
         raise LLMTrainError(
             f"checkpoint {ckpt} was written {'under' if sharded else 'without'} FSDP and this launch "
             f"{'does not use' if sharded else 'uses'} it. Resume it under the launch that wrote it: "
             f"{resume_launch(ckpt)}"
-            f"{' (with the launch config it was written under: a tensor-parallel one too)' if sharded else ''}.")
+            f"{' (with the launch config it was written under: a tensor-parallel one too)' if unknown else ''}.")
     staged, stages_now = (ckpt / "pipeline").is_dir(), now.get("parallel", {}).get("pipeline_parallel", 1)
     if staged != (stages_now > 1):  # another pipeline degree (or schedule) is fine: the stages' files are by name
         raise LLMTrainError(
@@ -353,9 +354,16 @@ def resume_launch(ckpt: Path) -> str:
     sharded = (ckpt / FSDP_MODEL_DIR).is_dir()
     if processes == 1 and not sharded:
         return f"`llmtrain finetune {ckpt}/recipe.yaml --resume {ckpt}`"
-    config = f"accelerate_configs/{'' if torch.cuda.is_available() else 'cpu_'}{'fsdp' if sharded else 'ddp'}.yaml"
+    gpu = torch.cuda.is_available()
+    config = f"accelerate_configs/{'' if gpu else 'cpu_'}{'fsdp' if sharded else 'ddp'}.yaml"
+    tp = _state(ckpt).get("tensor_parallel") or 1  # (written since 2026-12-08: a TP run's had been named FSDP's, with
+    # its data ranks as the processes; audit 57)
+    if tp > 1:
+        config = f"accelerate_configs/{'fsdp_tp' if gpu else 'cpu_tp'}.yaml"
+        processes = processes * tp if isinstance(processes, int) else processes
     count = f" --num_processes {processes}" if isinstance(processes, int) else ""
-    return f"`llmtrain launch --config_file {config}{count} {ckpt}/recipe.yaml --resume {ckpt}`"
+    size = f" (its parallelism_config_tp_size: {tp})" if tp > 1 else ""
+    return f"`llmtrain launch --config_file {config}{count} {ckpt}/recipe.yaml --resume {ckpt}`{size}"
 
 
 def _finished_after(ckpt: Path) -> int | None:

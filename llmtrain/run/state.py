@@ -25,6 +25,7 @@ class TrainState:
     # the local files the weights come from (preflight.input_files): a resume compares them ({}: written before)
     inputs: dict = field(default_factory=dict)
     eval_owed: bool = False  # a stop cut this step's eval short: the resumed run evaluates the step first
+    tensor_parallel: int = 1  # the tensor-parallel degree it was written under (preflight.resume_launch names it)
 
     def state_dict(self) -> dict:
         return asdict(self)
