@@ -430,6 +430,10 @@ def test_a_stop_during_an_eval_ends_it_at_its_next_batch_and_the_resume_evaluate
     assert [done for done, _ in begun] == [0, 1] and _steps_on_disk(run) == [3] and records(run, "eval") == []
     assert json.loads((run / "checkpoints" / "step_000003" / "train_state.json").read_text())["eval_owed"] is True
     monkeypatch.setattr(loop, "evaluate", real)
+    # a resume that wrote the owed eval's line and died before its next checkpoint (kill -9): the line was kept and
+    # written again (audit 59)
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps(records(tmp_path / "full", "eval")[0]) + "\n")
     summary = run_train(recipe, resume="auto")
     assert records(run, "eval") == records(tmp_path / "full", "eval") and [e["step"] for e in records(run, "eval")] \
         == [3, 6, 8]

@@ -231,6 +231,7 @@ def train_loop(run: Run, state: TrainState, meter: Meter) -> None:
                 # rollout sets it otherwise: 0 before the first step)
                 run.objective.state.global_step = state.step
                 run.objective.state.epoch = float(state.epoch - (state.micro_in_epoch == 0 and state.epoch > 0))
+            run.log.owed_eval(state.step)  # (a line of it an earlier resume wrote, before dying: once)
             with meter.paused():  # a stop cuts it too (it is still owed: the checkpoint is as it was)
                 owed = evaluate_and_sample(run, state, progress, stop=stop_requests)
             if owed is None:

@@ -44,6 +44,19 @@ class MetricsLog:
             for path in (self.path, self.samples_path, self.rollouts_path):
                 self._set_aside_after(path, resume_step)
 
+    def owed_eval(self, step: int) -> None:
+        """Before the eval a checkpoint owes: the eval line (and samples) of `step` that an earlier resume wrote, and
+        then lost its next checkpoint to (kill -9 before it), are dropped, so that the eval appears once (the set-aside
+        keeps every line up to the checkpoint's step; audit 59)."""
+        if not self.enabled:
+            return
+        for path, kind in ((self.path, "eval"), (self.samples_path, None)):  # samples.jsonl: the eval's alone
+            if path.exists():
+                lines = _steps(path)
+                kept = [ln for s, ln in lines if s != step or (kind and json.loads(ln).get("type") != kind)]
+                if len(kept) != len(lines):
+                    _write_lines(path, kept)
+
     @staticmethod
     def _set_aside_after(path: Path, step: int) -> None:
         """Keep the lines of steps up to `step` in `path` and move the later ones to PATH.after-step_N (N: `step`).
