@@ -74,12 +74,22 @@ def _as_files(key: str, value):
         except OSError:  # (a name too long to be a path)
             return v
 
+    def entry(e):  # a data.sources entry's path and eval_split, an rl.rewards entry's path
+        return {**e, **{k: resolved(e[k]) for k in ("path", "eval_split") if k in e}} if isinstance(e, dict) else e
+
     if key in PATHS:
         return resolved(value)
-    if key in ("data.sources", "rl.rewards") and isinstance(value, list):  # each source's, each reward model's
-        return [{**s, "path": resolved(s.get("path")), **({"eval_split": resolved(s["eval_split"])} if isinstance(
-            s, dict) and "eval_split" in s else {})} if isinstance(s, dict) else s for s in value]
+    if key in ("data.sources", "rl.rewards") and isinstance(value, list):
+        return [entry(e) for e in value]
     return value
+
+
+def _no_step_left(step: int) -> str:
+    """What a finished run given a change at its last checkpoint (`step`) is told: check_resume's and finished_run's
+    refusals (the flag had been advised, then refused as "nothing is left to train"; audit 57)."""
+    return (f"no step is left to train with the new values. Raise train.max_steps above {step:,} (with "
+            "--allow-recipe-change) to train it further with them, or start a new run in another output_dir; nothing "
+            "was changed.")
 
 
 def _split_how(recipe: dict) -> tuple[dict, dict]:
@@ -233,9 +243,7 @@ def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_re
             # the finished run's last checkpoint: no step is left to train with the new values (the flag had been
             # advised, and then refused as "nothing is left to train"; audit 57)
             raise LLMTrainError(f"this recipe changes {listed} against checkpoint {ckpt}, the last step of the run "
-                                f"in {ckpt.parent.parent}, which is complete: no step is left to train with the new "
-                                f"values. Raise train.max_steps above {step:,} (with --allow-recipe-change) to train "
-                                "it further with them, or start a new run in another output_dir; nothing was changed.")
+                                f"in {ckpt.parent.parent}, which is complete: {_no_step_left(step)}")
         raise LLMTrainError(f"this recipe changes {listed} against checkpoint {ckpt}: the rest of the run (its "
                             "learning-rate curve, its length, what it trains) would differ from the run that "
                             + (f"wrote it (which went on from it to finish at step {ended:,}: final/ is that run's, "
@@ -437,9 +445,7 @@ def finished_run(out: Path, recipe: Recipe, *, allow_recipe_change: bool) -> dic
         if isinstance(steps := _get(now, "train.max_steps"), int) and steps <= newest:  # the flag would meet "nothing
             # is left to train" (check_steps_left): said now (review of audit 57)
             raise LLMTrainError(f"the run in {out} is complete, and this recipe changes {listed}: its newest "
-                                f"checkpoint is at step {newest:,}, so no step is left to train with the new values. "
-                                f"Raise train.max_steps above {newest:,} (with --allow-recipe-change) to train it "
-                                "further with them, or start a new run in another output_dir; nothing was changed.")
+                                f"checkpoint is at step {newest:,}, so {_no_step_left(newest)}")
         raise LLMTrainError(f"the run in {out} is complete, and this recipe changes {listed}. To train it further "
                             "from its newest checkpoint with the new values, add --allow-recipe-change; nothing was "
                             "changed.")
